@@ -1,0 +1,7 @@
+"""tpweave: sequence parallelism and async tensor parallelism for TP LLM inference in PyTorch."""
+from tpweave import ops  # noqa: F401  (registers tpweave:: ops)
+from tpweave.runtime import TPContext, WorkerError, init_distributed, launch
+
+__version__ = "0.1.0"
+
+__all__ = ["TPContext", "WorkerError", "init_distributed", "launch", "__version__"]

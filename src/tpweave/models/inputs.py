@@ -1,0 +1,40 @@
+"""Packed batches of token ids: the input format of every model and engine step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PackedBatch:
+    input_ids: Tensor  # (M,) int64
+    positions: Tensor  # (M,) int64, position of each token within its sequence
+    cu_seqlens: Tensor  # (B + 1,) int32, sequence b spans rows cu_seqlens[b]:cu_seqlens[b + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def args(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.input_ids, self.positions, self.cu_seqlens
+
+
+def split_tokens(num_tokens: int, num_seqs: int) -> list[int]:
+    """Split M tokens into up to `num_seqs` sequences of near-equal length (no empty ones)."""
+    if num_tokens < 1:
+        raise ValueError(f"a batch needs at least one token, got {num_tokens}")
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    base, extra = divmod(num_tokens, num_seqs)
+    return [base + (i < extra) for i in range(num_seqs)]
+
+
+def random_batch(seq_lens: list[int], *, vocab_size: int, seed: int = 0, device: str | torch.device = "cpu") -> PackedBatch:
+    if not seq_lens or any(n < 1 for n in seq_lens):
+        raise ValueError(f"every sequence needs at least one token, got lengths {seq_lens}")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (sum(seq_lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedBatch(ids.to(device), positions.to(device), cu.to(device))

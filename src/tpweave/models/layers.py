@@ -1,0 +1,132 @@
+"""Tensor-parallel building blocks. Parallelism lives here, never in the model's forward.
+
+Shapes: M tokens, H hidden, V vocab; a `_local` size is the per-rank share (size / TP).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tpweave.ops.collectives import all_gather_dim0, all_reduce
+from tpweave.runtime.context import TPContext
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T: output features split over ranks, input replicated, no communication."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features // tp.world_size, in_features, dtype=dtype, device=tp.device)
+        self.bias = _param(out_features // tp.world_size, dtype=dtype, device=tp.device) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W_local^T): input features split over ranks, output summed over ranks."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.group_name = tp.group_name
+        self.weight = _param(out_features, in_features // tp.world_size, dtype=dtype, device=tp.device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return all_reduce(F.linear(x, self.weight), self.group_name)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds V/TP rows; ids outside its range contribute zeros to the all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.num_local = vocab_size // tp.world_size
+        self.start = tp.rank * self.num_local
+        self.group_name = tp.group_name
+        self.weight = _param(self.num_local, hidden_size, dtype=dtype, device=tp.device)
+
+    def forward(self, ids_M: Tensor) -> Tensor:
+        local = ids_M - self.start
+        in_range = (local >= 0) & (local < self.num_local)
+        x_MH = F.embedding(torch.where(in_range, local, 0), self.weight)
+        return all_reduce(x_MH * in_range.unsqueeze(-1).to(x_MH.dtype), self.group_name)
+
+
+class ParallelLMHead(nn.Module):
+    """logits (M, V) from vocab-split weights; the per-rank (M, V/TP) blocks are gathered."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.world_size = tp.world_size
+        self.group_name = tp.group_name
+        self.weight = _param(vocab_size // tp.world_size, hidden_size, dtype=dtype, device=tp.device)
+
+    def forward(self, x_MH: Tensor) -> Tensor:
+        logits_local = F.linear(x_MH, self.weight)
+        if self.group_name is None:
+            return logits_local
+        num_tokens = logits_local.shape[0]
+        gathered = all_gather_dim0(logits_local, self.world_size, self.group_name)  # (TP*M, V/TP)
+        return gathered.view(self.world_size, num_tokens, -1).permute(1, 0, 2).reshape(num_tokens, -1)
+
+
+class RMSNorm(nn.Module):
+    """Written as plain ops on purpose: the SP pass must handle norms that are not one fused op."""
+
+    def __init__(self, hidden_size: int, *, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(is_mid, mid, scaled).float()
+    if kind in ("linear",):
+        return (inv_freq / scaling["factor"]).float()
+    if kind in ("default", None):
+        return inv_freq.float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, default)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE, as in HF Llama checkpoints; cos/sin cached per position."""
+
+    def __init__(self, head_dim: int, *, theta: float, scaling: dict | None, max_positions: int, device: torch.device):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
+        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1).to(device), persistent=False)
+
+    def forward(self, positions_M: Tensor, q_MHD: Tensor, k_MKD: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin[positions_M].unsqueeze(1).chunk(2, dim=-1)  # (M, 1, D/2)
+        return _rotate(q_MHD, cos, sin), _rotate(k_MKD, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,101 @@
+"""Llama-family decoder for inference (Llama 2/3, Qwen2 with QKV bias), tensor-parallel through its layers.
+
+forward(input_ids_M, positions_M, cu_seqlens_B1) -> logits (M, V). The batch is packed: M tokens of
+B sequences, sequence b spanning rows cu_seqlens[b]:cu_seqlens[b+1].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tpweave.models.config import ModelConfig
+from tpweave.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from tpweave.ops import attention as _attention_op  # noqa: F401  (registers tpweave::attention)
+from tpweave.runtime.context import TPContext
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = cfg.num_heads // tp.world_size
+        self.num_kv_heads = cfg.num_kv_heads // tp.world_size
+        self.head_dim = cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp=tp, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp, dtype=dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling, max_positions=cfg.max_position_embeddings, device=tp.device
+        )
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
+        num_tokens = x_MH.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x_MH).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions_M, q, k)
+        o = torch.ops.tpweave.attention(q, k, v.contiguous(), cu_seqlens, self.scale)
+        return self.o_proj(o.reshape(num_tokens, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, tp=tp, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype)
+
+    def forward(self, x_MH: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x_MH).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
+        self.self_attn = Attention(cfg, tp=tp, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
+        self.mlp = MLP(cfg, tp=tp, dtype=dtype)
+
+    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
+        h = x_MH + self.self_attn(self.input_layernorm(x_MH), positions_M, cu_seqlens)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp=tp, dtype=dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
+
+    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
+        x_MH = self.embed_tokens(input_ids_M)
+        for layer in self.layers:
+            x_MH = layer(x_MH, positions_M, cu_seqlens)
+        return self.norm(x_MH)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        cfg.check_tp(tp.world_size)
+        self.config = cfg
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp=tp, dtype=dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return self.lm_head(self.model(input_ids_M, positions_M, cu_seqlens))

@@ -1,0 +1,191 @@
+"""Weights in HF layout: which full tensor (and which slice of it) feeds each of this rank's parameters.
+
+One table drives random initialisation, safetensors loading and checkpoint writing, so a TP=1 and a
+TP=N build from the same seed or directory hold slices of the same full model.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpweave.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) along `dim` of full tensor `hf_name` (dim None: the whole tensor)."""
+
+    hf_name: str
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+
+def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, D = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.num_heads * D, H),
+            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * D, H),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * D, H),
+            p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, H),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
+            p + "mlp.down_proj.weight": (H, cfg.intermediate_size),
+        }
+        if cfg.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.num_heads * D,),
+                p + "self_attn.k_proj.bias": (cfg.num_kv_heads * D,),
+                p + "self_attn.v_proj.bias": (cfg.num_kv_heads * D,),
+            }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+def _rows(name: str, size: int, rank: int, tp: int, dim: int = 0) -> Piece:
+    local = size // tp
+    return Piece(name, dim, rank * local, (rank + 1) * local)
+
+
+def param_sources(cfg: ModelConfig, *, rank: int, tp: int) -> dict[str, list[Piece]]:
+    """Our parameter name -> the pieces concatenated (dim 0) to fill it on this rank."""
+    H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    src: dict[str, list[Piece]] = {
+        "model.embed_tokens.weight": [_rows("model.embed_tokens.weight", cfg.vocab_size, rank, tp)],
+        "model.norm.weight": [Piece("model.norm.weight", None)],
+    }
+    if not cfg.tie_word_embeddings:
+        src["lm_head.weight"] = [_rows("lm_head.weight", cfg.vocab_size, rank, tp)]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = [("q_proj", cfg.num_heads * D), ("k_proj", cfg.num_kv_heads * D), ("v_proj", cfg.num_kv_heads * D)]
+        src |= {
+            p + "input_layernorm.weight": [Piece(p + "input_layernorm.weight", None)],
+            p + "post_attention_layernorm.weight": [Piece(p + "post_attention_layernorm.weight", None)],
+            p + "self_attn.qkv_proj.weight": [_rows(f"{p}self_attn.{n}.weight", size, rank, tp) for n, size in qkv],
+            p + "self_attn.o_proj.weight": [_rows(p + "self_attn.o_proj.weight", cfg.num_heads * D, rank, tp, dim=1)],
+            p + "mlp.gate_up_proj.weight": [_rows(p + "mlp.gate_proj.weight", I, rank, tp), _rows(p + "mlp.up_proj.weight", I, rank, tp)],
+            p + "mlp.down_proj.weight": [_rows(p + "mlp.down_proj.weight", I, rank, tp, dim=1)],
+        }
+        if cfg.qkv_bias:
+            src[p + "self_attn.qkv_proj.bias"] = [_rows(f"{p}self_attn.{n}.bias", size, rank, tp) for n, size in qkv]
+    del H
+    return src
+
+
+Fetch = Callable[[Piece], torch.Tensor]
+
+
+def load_weights(model: nn.Module, cfg: ModelConfig, fetch: Fetch, *, rank: int, tp: int) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    sources = param_sources(cfg, rank=rank, tp=tp)
+    for name, param in params.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name not in sources:
+            raise AssertionError(f"no weight source for parameter {name}")
+        pieces = [fetch(piece) for piece in sources[name]]
+        value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"weights for {name} have shape {tuple(value.shape)}, the model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(value)
+
+
+def _slice(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.stop - piece.start)
+
+
+def random_full_tensor(cfg: ModelConfig, name: str, *, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The full tensor `name` of the random model `seed`: the same on every rank and for every TP degree."""
+    shape = full_shapes(cfg)[name]
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    t = torch.empty(shape, dtype=torch.float32, device=device).normal_(generator=gen)
+    if name.endswith("norm.weight"):
+        t = 1.0 + 0.1 * t
+    elif name.endswith(".bias"):
+        t = 0.1 * t
+    elif "embed_tokens" not in name:
+        t = t * shape[-1] ** -0.5
+    return t.to(dtype)
+
+
+def random_fetch(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device) -> Fetch:
+    def fetch(piece: Piece) -> torch.Tensor:
+        return _slice(random_full_tensor(cfg, piece.hf_name, seed=seed, dtype=dtype, device=device), piece).contiguous()
+
+    return fetch
+
+
+def random_hf_state(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    return {name: random_full_tensor(cfg, name, seed=seed, dtype=dtype, device=torch.device(device)) for name in full_shapes(cfg)}
+
+
+class SafetensorsFetch:
+    """Reads only the requested slice of each tensor from an HF directory of *.safetensors files."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self.dtype, self.device = dtype, device
+        self.expected = full_shapes(cfg)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{self.path} holds no *.safetensors files")
+        self.handles = {}
+        self.where: dict[str, Path] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ValueError(f"cannot read {f}: {e}") from e
+            self.handles[f] = handle
+            for key in handle.keys():
+                self.where[key] = f
+
+    def __call__(self, piece: Piece) -> torch.Tensor:
+        f = self.where.get(piece.hf_name)
+        if f is None:
+            raise ValueError(f"tensor {piece.hf_name!r} is missing from the checkpoint in {self.path}")
+        sl = self.handles[f].get_slice(piece.hf_name)
+        shape = tuple(sl.get_shape())
+        if shape != self.expected[piece.hf_name]:
+            raise ValueError(f"tensor {piece.hf_name!r} in {f.name} has shape {shape}, config.json implies {self.expected[piece.hf_name]}")
+        if piece.dim is None:
+            t = sl[:]
+        elif piece.dim == 0:
+            t = sl[piece.start : piece.stop]
+        else:
+            t = sl[:, piece.start : piece.stop]
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def save_hf_checkpoint(path: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], *, num_files: int = 1) -> None:
+    """Write config.json and `num_files` safetensors files (+ index when several), HF naming."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    names = sorted(state)
+    chunks = [names[i::num_files] for i in range(num_files)]
+    weight_map = {}
+    for i, chunk in enumerate(chunks):
+        fname = "model.safetensors" if num_files == 1 else f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
+        save_file({n: state[n].contiguous().cpu() for n in chunk}, str(path / fname), metadata={"format": "pt"})
+        weight_map |= {n: fname for n in chunk}
+    if num_files > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

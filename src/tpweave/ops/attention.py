@@ -1,0 +1,45 @@
+"""Causal self-attention over a packed batch, as one opaque op (the passes and Inductor see one node).
+
+q_MHD (tokens, q heads, head dim), k_MKD / v_MKD (tokens, kv heads, head dim); cu_seqlens (B + 1,)
+int32 gives sequence boundaries in the packed token dim. GQA: q head h reads kv head h // (H / K).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    group = q_MHD.shape[1] // k_MKD.shape[1]
+    out = torch.empty_like(q_MHD)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q = q_MHD[start:end].transpose(0, 1)  # (H, L, D)
+        k = k_MKD[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        v = v_MKD[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _attention_cuda(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    # max_seqlen <= tokens: an upper bound keeps the op free of host syncs and of per-batch recompiles.
+    num_tokens = q_MHD.shape[0]
+    return varlen_attn(q_MHD, k_MKD, v_MKD, cu_seqlens, cu_seqlens, num_tokens, num_tokens, scale=scale, window_size=(-1, 0))
+
+
+@torch.library.custom_op("tpweave::attention", mutates_args=())
+def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16):
+        return _attention_cuda(q_MHD, k_MKD, v_MKD, cu_seqlens.to(torch.int32), scale)
+    return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
+
+
+@attention.register_fake
+def _(q_MHD, k_MKD, v_MKD, cu_seqlens, scale):
+    return torch.empty_like(q_MHD)

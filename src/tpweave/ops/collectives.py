@@ -1,0 +1,81 @@
+"""Token-dimension collectives for any number of tokens N (N % TP != 0 and N < TP included).
+
+Layout: the leading `num_token_dims` dims of an activation are tokens (N = their product), the rest
+are features F. A token shard holds ceil(N / TP) rows of shape F; the last shards carry zero padding.
+
+`all_reduce` is a plain functional collective (Dynamo and our passes see `_c10d_functional.all_reduce`);
+the token ops are custom ops with fake implementations so N stays symbolic under torch.compile.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_funcol = torch.ops._c10d_functional
+
+
+def all_reduce(x: Tensor, group_name: str | None) -> Tensor:
+    if group_name is None:
+        return x
+    return _funcol.wait_tensor(_funcol.all_reduce(x, "sum", group_name))
+
+
+def all_gather_dim0(x: Tensor, world_size: int, group_name: str | None) -> Tensor:
+    if group_name is None:
+        return x
+    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), world_size, group_name))
+
+
+def shard_rows(num_tokens, world_size: int):
+    """Rows per token shard: ceil(N / TP). Works on ints and SymInts."""
+    return (num_tokens + world_size - 1) // world_size
+
+
+def _flatten_padded(x: Tensor, num_token_dims: int, world_size: int) -> Tensor:
+    """(*tokens, *F) -> (ceil(N/TP) * TP, *F), zero rows appended."""
+    x = x.reshape(-1, *x.shape[num_token_dims:])
+    pad = shard_rows(x.shape[0], world_size) * world_size - x.shape[0]
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return x.contiguous()
+
+
+@torch.library.custom_op("tpweave::reduce_scatter_tokens", mutates_args=())
+def reduce_scatter_tokens(x: Tensor, num_token_dims: int, group_name: str, world_size: int) -> Tensor:
+    """Sum over ranks, keep this rank's ceil(N/TP) rows: (*tokens, *F) -> (ceil(N/TP), *F)."""
+    flat = _flatten_padded(x, num_token_dims, world_size)
+    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(flat, "sum", world_size, group_name))
+
+
+@reduce_scatter_tokens.register_fake
+def _(x, num_token_dims, group_name, world_size):
+    num_tokens = math.prod(x.shape[:num_token_dims])
+    return x.new_empty(shard_rows(num_tokens, world_size), *x.shape[num_token_dims:])
+
+
+@torch.library.custom_op("tpweave::all_gather_tokens", mutates_args=())
+def all_gather_tokens(x: Tensor, token_sizes: list[int], group_name: str, world_size: int) -> Tensor:
+    """Inverse of the token sharding: (ceil(N/TP), *F) -> (*token_sizes, *F), padding dropped."""
+    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), world_size, group_name))
+    return full[: math.prod(token_sizes)].reshape(*token_sizes, *x.shape[1:])
+
+
+@all_gather_tokens.register_fake
+def _(x, token_sizes, group_name, world_size):
+    return x.new_empty(*token_sizes, *x.shape[1:])
+
+
+@torch.library.custom_op("tpweave::shard_tokens", mutates_args=())
+def shard_tokens(x: Tensor, num_token_dims: int, rank: int, world_size: int) -> Tensor:
+    """This rank's token shard of a replicated tensor, no communication: (*tokens, *F) -> (ceil(N/TP), *F)."""
+    flat = _flatten_padded(x, num_token_dims, world_size)
+    rows = flat.shape[0] // world_size
+    return flat[rank * rows : (rank + 1) * rows].clone()
+
+
+@shard_tokens.register_fake
+def _(x, num_token_dims, rank, world_size):
+    num_tokens = math.prod(x.shape[:num_token_dims])
+    return x.new_empty(shard_rows(num_tokens, world_size), *x.shape[num_token_dims:])

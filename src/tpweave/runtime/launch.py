@@ -1,0 +1,127 @@
+"""Self-spawned multi-process runs: `launch(fn, *args, nprocs=N)`.
+
+Each worker joins a fresh process group (gloo on CPU, NCCL when there is a GPU per rank) and calls
+fn(ctx, *args). The caller gets every rank's return value, or the first failing rank's exception with
+its traceback. A rank that dies, or a run that outlives `timeout_s`, ends all ranks with an error.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from tpweave.runtime.groups import SAFE_ENV, pick_backend
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message carries that rank's traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed:\n{message}")
+        self.rank = rank
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(rank: int, nprocs: int, port: int, backend: str, collective_timeout_s: float, results, fn, args, kwargs) -> None:
+    os.environ.update(SAFE_ENV)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    from tpweave.runtime.groups import destroy_distributed, init_distributed
+
+    try:
+        ctx = init_distributed(backend=backend, timeout_s=collective_timeout_s)
+        out = fn(ctx, *args, **kwargs)
+        results.put((rank, "ok", _dumps(out)))
+    except BaseException:  # report everything, including KeyboardInterrupt/SystemExit, to the caller
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        destroy_distributed()
+    except Exception:
+        pass
+
+
+def _drain(results, outputs: dict[int, Any]) -> dict[int, str]:
+    failures: dict[int, str] = {}
+    while not results.empty():
+        rank, status, payload = results.get()
+        if status == "error":
+            failures[rank] = payload
+        else:
+            outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    return failures
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nprocs: int,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run fn(ctx, *args, **kwargs) on `nprocs` local ranks and return the per-rank results."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    backend = backend or pick_backend(nprocs)
+    spawn = mp.get_context("spawn")
+    results = spawn.SimpleQueue()
+    port = free_port()
+    procs = [
+        spawn.Process(
+            target=_worker,
+            args=(rank, nprocs, port, backend, collective_timeout_s, results, fn, args, kwargs),
+            daemon=True,
+        )
+        for rank in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) < nprocs:
+            failures = _drain(results, outputs)
+            silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and not p.is_alive()]
+            if failures or silent:
+                time.sleep(1.0)  # let the other ranks' reports arrive, to name the root cause
+                failures |= _drain(results, outputs)
+                silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and not p.is_alive()]
+                failures |= {r: f"process exited with code {procs[r].exitcode} without reporting a result" for r in silent}
+                # A rank that died silently is the cause; the peers' errors are its consequence.
+                root = silent[0] if silent else next(iter(failures))  # first reported
+                others = "".join(
+                    f"\nrank {r} also failed: {msg.strip().splitlines()[-1]}" for r, msg in sorted(failures.items()) if r != root
+                )
+                raise WorkerError(root, failures[root] + others)
+            if time.monotonic() > deadline:
+                pending = sorted(set(range(nprocs)) - set(outputs))
+                raise TimeoutError(f"launch timed out after {timeout_s:.0f}s; ranks {pending} had not finished (hung collective or dead peer?)")
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outputs) == nprocs else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [outputs[r] for r in range(nprocs)]

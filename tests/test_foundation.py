@@ -1,0 +1,163 @@
+"""Foundation: runtime, token collectives, reference model, weights (CPU, gloo, several ranks)."""
+import time
+
+import pytest
+import torch
+
+import tpweave
+from tpweave.models import build_model, get_preset, random_hf_state, save_hf_checkpoint
+from tpweave.models.weights import SafetensorsFetch, Piece
+
+import workers
+
+TOKEN_COUNTS = [1, 2, 3, 7, 64, 129]
+TOL = {"float32": 1e-4, "bfloat16": 6e-2}
+
+
+@pytest.fixture(scope="module")
+def reference_logits():
+    return workers.eager_logits(tpweave.TPContext.single(), "tiny", TOKEN_COUNTS, ("float32", "bfloat16"))
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_tp_logits_match_single_rank(tp, reference_logits):
+    results = tpweave.launch(workers.eager_logits, "tiny", TOKEN_COUNTS, ("float32", "bfloat16"), nprocs=tp)
+    for rank_out in results:
+        for (dtype, m), logits in rank_out.items():
+            ref = reference_logits[(dtype, m)]
+            assert logits.shape == (m, get_preset("tiny").vocab_size)
+            err = (logits - ref).abs().max().item()
+            assert err <= TOL[dtype] * max(1.0, ref.abs().max().item()), (tp, dtype, m, err)
+
+
+def test_qwen_style_bias_and_tied_head():
+    overrides = {"qkv_bias": True, "tie_word_embeddings": True}
+    ref = workers.eager_logits(tpweave.TPContext.single(), "tiny", [5, 33], **overrides)
+    results = tpweave.launch(workers.eager_logits, "tiny", [5, 33], nprocs=2, **overrides)
+    for key, logits in results[1].items():
+        torch.testing.assert_close(logits, ref[key], atol=1e-4, rtol=1e-4)
+
+
+def test_random_weights_do_not_depend_on_tp():
+    full = workers.state_dict_cpu(tpweave.TPContext.single(), "tiny")
+    shards = tpweave.launch(workers.state_dict_cpu, "tiny", nprocs=2)
+    name = "model.layers.1.mlp.down_proj.weight"  # row-parallel: split along dim 1
+    torch.testing.assert_close(torch.cat([s[name] for s in shards], dim=1), full[name], atol=0, rtol=0)
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(torch.cat([s[name] for s in shards], dim=0), full[name], atol=0, rtol=0)
+
+
+def test_safetensors_roundtrip(tmp_path):
+    cfg = get_preset("tiny")
+    save_hf_checkpoint(tmp_path / "ckpt", cfg, random_hf_state(cfg, seed=7, dtype=torch.float32), num_files=2)
+    loaded = tpweave.launch(workers.state_dict_cpu, str(tmp_path / "ckpt"), nprocs=2)
+    random = tpweave.launch(workers.state_dict_cpu, "tiny", 7, nprocs=2)
+    for rank in range(2):
+        assert loaded[rank].keys() == random[rank].keys()
+        for k in loaded[rank]:
+            torch.testing.assert_close(loaded[rank][k], random[rank][k], atol=0, rtol=0, msg=k)
+    ref = workers.eager_logits(tpweave.TPContext.single(), "tiny", [9], seed=7)
+    got = tpweave.launch(workers.eager_logits, str(tmp_path / "ckpt"), [9], nprocs=2)
+    torch.testing.assert_close(got[0][("float32", 9)], ref[("float32", 9)], atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+    cfg = get_preset("tiny")
+    state = random_hf_state(cfg, seed=0, dtype=torch.float32)
+    missing = dict(state)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    save_hf_checkpoint(tmp_path / "missing", cfg, missing)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*missing"):
+        build_model(str(tmp_path / "missing"), tp=tpweave.TPContext.single(), dtype=torch.float32)
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.ones(cfg.hidden_size + 1)
+    save_hf_checkpoint(tmp_path / "bad", cfg, bad)
+    with pytest.raises(ValueError, match=r"model.norm.weight.*shape \(385,\)"):
+        build_model(str(tmp_path / "bad"), tp=tpweave.TPContext.single(), dtype=torch.float32)
+    with pytest.raises(ValueError, match="no config.json|unknown model preset"):
+        build_model(str(tmp_path / "nothing-here"), tp=tpweave.TPContext.single())
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text((tmp_path / "bad" / "config.json").read_text())
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
+    with pytest.raises(ValueError, match="cannot read"):
+        SafetensorsFetch(tmp_path / "corrupt", cfg, dtype=torch.float32, device=torch.device("cpu"))(Piece("model.norm.weight", None))
+
+
+def test_tp_not_dividing_heads():
+    ctx = tpweave.TPContext(rank=0, world_size=5, group_name=None, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"TP=5 does not divide num_heads=48, num_kv_heads=24"):
+        build_model("tiny", tp=ctx)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        build_model("llama9-1t", tp=tpweave.TPContext.single())
+
+
+def test_ranks_that_disagree_fail_with_the_difference():
+    with pytest.raises(tpweave.WorkerError, match=r"ranks disagree on the model: 'seed': rank 0 has 0, rank 1 has 1"):
+        tpweave.launch(workers.build_with_rank_seed, nprocs=2)
+
+
+def test_rank_that_raises_surfaces_with_traceback():
+    start = time.monotonic()
+    with pytest.raises(tpweave.WorkerError, match=r"(?s)rank 1 failed:.*Traceback.*ValueError: boom from rank 1") as info:
+        tpweave.launch(workers.raise_on_rank, 1, nprocs=2)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 60
+
+
+def test_rank_that_dies_ends_the_run():
+    start = time.monotonic()
+    with pytest.raises(tpweave.WorkerError, match=r"(?s)rank 1 failed:.*exited with code 3"):
+        tpweave.launch(workers.die_on_rank, 1, nprocs=2)
+    assert time.monotonic() - start < 60
+
+
+def test_rank_that_hangs_times_out():
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] had not finished"):
+        tpweave.launch(workers.hang_on_rank, 1, nprocs=2, timeout_s=20)
+
+
+@pytest.mark.parametrize("tp,feature_shape", [(2, (4,)), (3, (2, 3)), (4, (5,))])
+def test_token_collectives_any_m(tp, feature_shape):
+    counts = [1, 2, 3, 5, 7, 64]
+    results = tpweave.launch(workers.token_collectives, counts, feature_shape, nprocs=tp)
+    for m in counts:
+        rows = -(-m // tp)
+        for rank, out in enumerate(results):
+            reduced, gathered, shard, local = out[m]
+            expected = sum(torch.arange(m * torch.Size(feature_shape).numel(), dtype=torch.float32) + 1000 * r for r in range(tp))
+            torch.testing.assert_close(reduced, expected.reshape(m, *feature_shape))
+            torch.testing.assert_close(gathered, reduced)  # reduce_scatter + all_gather == all_reduce, a sum
+            assert shard.shape == (rows, *feature_shape)
+            torch.testing.assert_close(shard, local)  # the shard of the reduction == local slice of all_reduce
+            lo = min(rank * rows, m)
+            torch.testing.assert_close(shard[: max(0, min(rows, m - lo))], reduced[lo : lo + rows])
+
+
+def test_token_collectives_compile_once_for_all_m():
+    counts = [1, 2, 3, 5, 64, 129, 1000]
+    results = tpweave.launch(workers.compiled_collectives_recompiles, counts, nprocs=3)
+    for num_compiles, err in results:
+        assert num_compiles == 1
+        assert err < 1e-4
+
+
+@pytest.mark.gpu(gpus=2)
+def test_gpu_nccl_logits_match_single_rank():
+    counts = [1, 7, 64, 129]
+    ref = tpweave.launch(workers.eager_logits, "tiny", counts, ("float32", "bfloat16"), nprocs=1)[0]
+    got = tpweave.launch(workers.eager_logits, "tiny", counts, ("float32", "bfloat16"), nprocs=2, backend="nccl")
+    for (dtype, m), logits in got[1].items():
+        err = (logits - ref[(dtype, m)]).abs().max().item()
+        assert err <= 2 * TOL[dtype] * max(1.0, ref[(dtype, m)].abs().max().item()), (dtype, m, err)
+
+
+@pytest.mark.gpu(gpus=2)
+def test_gpu_nccl_token_collectives():
+    counts = [1, 2, 3, 5, 7, 64]
+    results = tpweave.launch(workers.token_collectives, counts, (4,), nprocs=2, backend="nccl")
+    for m in counts:
+        reduced, gathered, shard, local = results[0][m]
+        torch.testing.assert_close(gathered, reduced)
+        torch.testing.assert_close(shard, local)
+    results = tpweave.launch(workers.compiled_collectives_recompiles, [1, 2, 3, 5, 64, 129, 1000], nprocs=2, backend="nccl")
+    assert all(n == 1 and err < 1e-3 for n, err in results)
