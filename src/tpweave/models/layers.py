@@ -74,7 +74,8 @@ class ParallelLMHead(nn.Module):
             return logits_local
         num_tokens = logits_local.shape[0]
         gathered = all_gather_dim0(logits_local, self.world_size, self.group_name)  # (TP*M, V/TP)
-        return gathered.view(self.world_size, num_tokens, -1).permute(1, 0, 2).reshape(num_tokens, -1)
+        # cat of the per-rank blocks, not permute+reshape: reshape would guard on M == 1 (a recompile).
+        return torch.cat(gathered.view(self.world_size, num_tokens, -1).unbind(0), dim=-1)
 
 
 class RMSNorm(nn.Module):

@@ -38,14 +38,13 @@ class Attention(nn.Module):
 
     def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
         num_tokens = x_MH.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x_MH).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # View the contiguous qkv output as heads first, then split: views of the non-contiguous
+        # q/k/v slices would make Inductor guard on M == 1 (a recompile at decode of one sequence).
+        qkv_MXD = self.qkv_proj(x_MH).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv_MXD.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self.rotary(positions_M, q, k)
-        o = torch.ops.tpweave.attention(q, k, v.contiguous(), cu_seqlens, self.scale)
-        return self.o_proj(o.reshape(num_tokens, q_size))
+        o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
+        return self.o_proj(o.view(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

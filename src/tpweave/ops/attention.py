@@ -12,7 +12,7 @@ from torch import Tensor
 
 def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     group = q_MHD.shape[1] // k_MKD.shape[1]
-    out = torch.empty_like(q_MHD)
+    out = q_MHD.new_empty(q_MHD.shape)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -30,16 +30,17 @@ def _attention_cuda(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Ten
 
     # max_seqlen <= tokens: an upper bound keeps the op free of host syncs and of per-batch recompiles.
     num_tokens = q_MHD.shape[0]
-    return varlen_attn(q_MHD, k_MKD, v_MKD, cu_seqlens, cu_seqlens, num_tokens, num_tokens, scale=scale, window_size=(-1, 0))
+    out = varlen_attn(q_MHD, k_MKD, v_MKD, cu_seqlens, cu_seqlens, num_tokens, num_tokens, scale=scale, window_size=(-1, 0))
+    return out.contiguous()
 
 
 @torch.library.custom_op("tpweave::attention", mutates_args=())
 def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16):
-        return _attention_cuda(q_MHD, k_MKD, v_MKD, cu_seqlens.to(torch.int32), scale)
+        return _attention_cuda(q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens.to(torch.int32), scale)
     return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
 
 
 @attention.register_fake
 def _(q_MHD, k_MKD, v_MKD, cu_seqlens, scale):
-    return torch.empty_like(q_MHD)
+    return q_MHD.new_empty(q_MHD.shape)  # contiguous, whatever q's strides

@@ -1,0 +1,102 @@
+"""Async-TP pass: all_gather_tokens -> matmul(s) and matmul -> reduce_scatter_tokens become one
+tpweave overlapped op each (`tpweave::ag_mm`, `tpweave::mm_rs`), whose strategy is picked per M at run time."""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from tpweave.compiler.graph_utils import VIEW_OPS, GraphEditor, aten, same_sizes, tpw, val
+from tpweave.compiler.report import GraphReport
+
+_WEIGHT_VIEWS = (aten.permute.default, aten.t.default, *VIEW_OPS)
+
+
+def _matmul_users(ag: fx.Node) -> list[tuple[fx.Node, fx.Node, fx.Node | None, fx.Node | None]]:
+    """(matmul node, weight, bias, 2-D view of ag it reads or None) for every matmul fed by the gather."""
+    found = []
+    k = val(ag).shape[-1]
+
+    def scan(a_node: fx.Node, view: fx.Node | None) -> None:
+        for u in a_node.users:
+            if u.target is aten.mm.default and u.args[0] is a_node:
+                found.append((u, u.args[1], None, view))
+            elif u.target is aten.addmm.default and u.args[1] is a_node and not u.kwargs:
+                found.append((u, u.args[2], u.args[0], view))
+
+    if val(ag).dim() == 2:
+        scan(ag, None)
+    for u in ag.users:
+        if u.target in VIEW_OPS and val(u).dim() == 2 and val(u).shape[-1] == k and val(ag).dim() > 2:
+            scan(u, u)
+    return found
+
+
+def _hoist(weight: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Make `weight` (a view chain of a graph input) available before `before`; False if it cannot be."""
+    if order[weight] < order[before]:
+        return True
+    if weight.target not in _WEIGHT_VIEWS or len(weight.all_input_nodes) != 1:
+        return False
+    if not _hoist(weight.all_input_nodes[0], before, order):
+        return False
+    before.prepend(weight)
+    order[weight] = order[before] - 0.5
+    return True
+
+
+def fuse_all_gather_matmuls(graph: fx.Graph, *, policy: str, report: GraphReport) -> None:
+    edit = GraphEditor(graph)
+    for ag in [n for n in graph.nodes if n.target is tpw.all_gather_tokens.default]:
+        x_local, token_sizes, group_name, world_size = ag.args
+        if val(x_local).dim() != 2:
+            report.add("all_gather", ag, "left alone", "shard is not (rows, K)")
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        users = sorted(_matmul_users(ag), key=lambda u: order[u[0]])
+        if not users:
+            report.add("all_gather", ag, "left alone", "no matmul consumer: " + ", ".join(u.name for u in ag.users))
+            continue
+        first = users[0][0]
+        users = [u for u in users if _hoist(u[1], first, order) and (u[2] is None or _hoist(u[2], first, order))]
+        args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy)
+        fused = edit.insert(tpw.ag_mm.default, args, before=first)
+        with graph.inserting_after(fused):
+            outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users) + 1)]
+        for i, o in enumerate(outs):
+            o.meta["val"] = val(fused)[i]
+        for i, (mm, _, _, view) in enumerate(users, start=1):
+            mm.replace_all_uses_with(outs[i])
+            graph.erase_node(mm)
+            if view is not None and not view.users:
+                graph.erase_node(view)
+        ag.replace_all_uses_with(outs[0])
+        graph.erase_node(ag)
+        for o in outs:
+            if not o.users:
+                graph.erase_node(o)
+        names = ", ".join(u[0].name for u in users)
+        report.add("all_gather+matmul", fused, "fused", f"tpweave::ag_mm over {len(users)} matmul(s) [{names}], policy {policy!r}")
+
+
+def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy: str, report: GraphReport) -> None:
+    edit = GraphEditor(graph)
+    for rs in [n for n in graph.nodes if n.target is tpw.reduce_scatter_tokens.default]:
+        x, _, group_name, world_size = rs.args
+        src, view = x, None
+        if src.target in VIEW_OPS and len(src.users) == 1:
+            src, view = src.args[0], src
+        if src.target is not aten.mm.default or len(src.users) != 1:
+            report.add("reduce_scatter", rs, "left alone", f"input {x.name} is not a matmul used only here")
+            continue
+        a, w = src.args
+        fused = edit.insert(tpw.mm_rs.default, (a, w, group_name, world_size, policy), before=rs)
+        if not same_sizes(val(fused).shape, val(rs).shape):
+            graph.erase_node(fused)
+            report.add("reduce_scatter", rs, "left alone", "matmul rows do not match the scattered tokens")
+            continue
+        rs.replace_all_uses_with(fused)
+        for n in (rs, view, src):
+            if n is not None and not n.users:
+                graph.erase_node(n)
+        report.add("matmul+reduce_scatter", fused, "fused", f"tpweave::mm_rs, policy {policy!r}")

@@ -1,0 +1,189 @@
+"""`tpweave.compile`: torch.compile with our graph passes, one graph per variant serving every M.
+
+Variants: "sp" (sequence parallel + async TP, used for M >= sp_min_tokens) and "plain" (the model's own
+all-reduces). Both are compiled with M dynamic. The passes run as Inductor's post-grad custom pre-pass,
+on the whole graph, before Inductor's own passes and before any graph partition.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from tpweave.compiler import async_tp, sequence_parallel
+from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
+from tpweave.compiler.graph_utils import count_collectives
+from tpweave.compiler.log import logger
+from tpweave.compiler.report import CompileReport, GraphReport
+from tpweave.compiler.sequence_parallel import SPConfig
+
+# Without a calibration table, SP is used from this many tokens on (it loses below ~512 on H200 TP2).
+DEFAULT_SP_MIN_TOKENS = 512
+ATTENTION_OPS = ("tpweave::attention",)
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    sp: bool
+    async_tp: bool
+    ag_mm_policy: str = "sequential"
+    mm_rs_policy: str = "sequential"
+
+
+class TPWeavePass(CustomGraphPass):
+    """The post-grad pass object; uuid() covers our sources and options so Inductor caches stay correct."""
+
+    def __init__(self, sp_cfg: SPConfig, options: PassOptions, report: GraphReport):
+        self.sp_cfg, self.options, self.report = sp_cfg, options, report
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.report.counts_before = count_collectives(graph)
+        logger.debug("[%s] graph before passes:\n%s", self.report.variant, graph)
+        if self.options.sp:
+            sequence_parallel.SequenceParallelPass(graph, self.sp_cfg, self.report).run()
+            logger.debug("[%s] graph after sequence_parallel:\n%s", self.report.variant, graph)
+            if self.options.async_tp:
+                async_tp.fuse_all_gather_matmuls(graph, policy=self.options.ag_mm_policy, report=self.report)
+                async_tp.fuse_matmul_reduce_scatters(graph, policy=self.options.mm_rs_policy, report=self.report)
+                logger.debug("[%s] graph after async_tp:\n%s", self.report.variant, graph)
+        else:
+            for node in graph.nodes:
+                if node.target is torch.ops._c10d_functional.all_reduce.default:
+                    self.report.add("all_reduce", node, "left alone", "plain TP variant")
+        graph.lint()
+        self.report.counts_after = count_collectives(graph)
+
+    def uuid(self) -> bytes:
+        h = hashlib.sha256()
+        for mod in (sequence_parallel, async_tp):
+            h.update(inspect.getsource(mod).encode())
+        h.update(repr((asdict(self.sp_cfg), asdict(self.options))).encode())
+        return h.digest()
+
+
+class TPBackend:
+    """A torch.compile backend: Inductor plus our pass; on a pass failure, Inductor without it."""
+
+    def __init__(self, *, variant: str, sp_cfg: SPConfig, options: PassOptions, report: CompileReport, inductor_options: dict):
+        self.variant, self.sp_cfg, self.options = variant, sp_cfg, options
+        self.report, self.inductor_options = report, inductor_options
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.report.num_compiles += 1
+        graph_report = GraphReport(self.variant)
+        self.report.graphs.append(graph_report)
+        patches = {"post_grad_custom_pre_pass": TPWeavePass(self.sp_cfg, self.options, graph_report), "fx_graph_cache": False}
+        try:
+            # The report is written by the pass: a cache hit would skip it, so compile for real.
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, config_patches={**self.inductor_options, **patches})
+        except Exception as e:  # noqa: BLE001  (any failure inside our passes: fall back, never crash)
+            msg = f"passes failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiled without them"
+            logger.warning("[%s] %s", self.variant, msg)
+            graph_report.notes.append(msg)
+            graph_report.sites.clear()
+            return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
+
+
+def default_num_tokens(args: tuple) -> int:
+    """M: elements of the first integer tensor argument (token ids), else rows of the first tensor."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point() and t.dim() >= 1:
+            return t.numel()
+    if tensors and tensors[0].dim() >= 2:
+        return tensors[0].numel() // tensors[0].shape[-1]
+    raise ValueError("cannot tell the number of tokens from the arguments: pass num_tokens_fn=")
+
+
+def _mark_dynamic(args: tuple) -> None:
+    """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors."""
+    for a in args:
+        if not isinstance(a, torch.Tensor) or a.dim() == 0:
+            continue
+        ndim = a.dim() if not a.is_floating_point() else max(a.dim() - 1, 1)
+        for d in range(ndim):
+            mark_tokens_dynamic([a], dim=d)
+
+
+@dataclass
+class CompiledTP:
+    """Callable with the module's signature; dispatches each call to the SP or the plain graph by M."""
+
+    module: torch.nn.Module
+    variants: dict[str, Callable]
+    sp_min_tokens: int
+    compile_report: CompileReport
+    num_tokens_fn: Callable[[tuple], int]
+    calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "plain": 0})
+
+    def variant_for(self, num_tokens: int) -> str:
+        return "sp" if "sp" in self.variants and num_tokens >= self.sp_min_tokens else "plain"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        num_tokens = self.num_tokens_fn(args)
+        if num_tokens < 1:
+            raise ValueError(f"empty batch: {num_tokens} tokens")
+        variant = self.variant_for(num_tokens)
+        self.calls[variant] += 1
+        _mark_dynamic(args)
+        with token_dynamic_config():
+            return self.variants[variant](*args, **kwargs)
+
+
+def compile(
+    module: torch.nn.Module,
+    *,
+    group: dist.ProcessGroup | str | None = None,
+    sp: bool = True,
+    async_tp: bool = True,
+    sp_min_tokens: int | None = None,
+    ag_mm_policy: str = "sequential",
+    mm_rs_policy: str = "sequential",
+    cudagraphs: bool = False,
+    piecewise: bool = False,
+    num_tokens_fn: Callable[[tuple], int] | None = None,
+) -> CompiledTP:
+    """Compile a TP module with sequence parallelism and async TP. See docs/user_guide.md."""
+    if not dist.is_initialized():
+        raise ValueError("tpweave.compile needs an initialized process group (tpweave.launch or init_distributed)")
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    group = group or dist.group.WORLD
+    sp_cfg = SPConfig(group_name=group.group_name, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    if sp_min_tokens is None:
+        sp_min_tokens = DEFAULT_SP_MIN_TOKENS
+        logger.info("no calibration table: sequence parallel from M >= %d (tpweave calibrate would tune this)", sp_min_tokens)
+    if sp_min_tokens < 0:
+        raise ValueError(f"sp_min_tokens must be >= 0, got {sp_min_tokens}")
+    inductor_options: dict[str, Any] = {}
+    if cudagraphs:
+        inductor_options["triton.cudagraphs"] = True
+    if piecewise:
+        inductor_options["graph_partition"] = True
+        inductor_options["custom_should_partition_ops"] = list(ATTENTION_OPS)
+    report = CompileReport(sp_min_tokens=sp_min_tokens if sp and sp_cfg.world_size > 1 else None)
+    variants: dict[str, Callable] = {}
+    want = {"plain": PassOptions(sp=False, async_tp=False)}
+    if sp and sp_cfg.world_size > 1:
+        want["sp"] = PassOptions(sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy)
+    for name, options in want.items():
+        backend = TPBackend(variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options)
+        variants[name] = torch.compile(module, backend=backend, dynamic=None)
+    return CompiledTP(module, variants, sp_min_tokens, report, num_tokens_fn or default_num_tokens)
+
+
+def report(compiled: CompiledTP) -> CompileReport:
+    if not isinstance(compiled, CompiledTP):
+        raise ValueError(f"tpweave.report expects what tpweave.compile returned, got {type(compiled).__name__}")
+    return compiled.compile_report

@@ -1,0 +1,95 @@
+"""Small helpers for rewriting post-grad ATen graphs: insert a node with its fake value, sizes, counts."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+funcol = torch.ops._c10d_functional
+tpw = torch.ops.tpweave
+
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+COLLECTIVE_TARGETS = {
+    "all_reduce": funcol.all_reduce.default,
+    "reduce_scatter_tokens": tpw.reduce_scatter_tokens.default,
+    "all_gather_tokens": tpw.all_gather_tokens.default,
+    "ag_mm": tpw.ag_mm.default,
+    "mm_rs": tpw.mm_rs.default,
+    "all_gather_into_tensor": funcol.all_gather_into_tensor.default,
+    "reduce_scatter_tensor": funcol.reduce_scatter_tensor.default,
+}
+
+
+def val(x: Any) -> Any:
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(val(x), torch.Tensor)
+
+
+def same(a: Any, b: Any) -> bool:
+    return bool(statically_known_true(a == b))
+
+
+def same_sizes(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def prod(sizes) -> Any:
+    return math.prod(sizes)
+
+
+def count_collectives(graph: fx.Graph) -> dict[str, int]:
+    inverse = {v: k for k, v in COLLECTIVE_TARGETS.items()}
+    counts = Counter(inverse[n.target] for n in graph.nodes if n.op == "call_function" and n.target in inverse)
+    return dict(sorted(counts.items()))
+
+
+class GraphEditor:
+    """Inserts call_function nodes and fills meta['val'] by running the op on the fake inputs
+    (Inductor's later passes fail on nodes without it)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+    def insert(self, target, args: tuple, kwargs: dict | None = None, *, before: fx.Node) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args, kwargs)
+        fargs, fkwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*fargs, **fkwargs)
+        else:
+            node.meta["val"] = target(*fargs, **fkwargs)
+        return node
+
+    def size_arg(self, x: fx.Node, dim: int, *, before: fx.Node):
+        """An FX argument for x.shape[dim]: the int itself, a SymInt graph input, or a sym_size node.
+
+        Prefer the graph input: a sym_size node would be one more user of x and keep x's buffer alive."""
+        size = val(x).shape[dim]
+        if isinstance(size, int):
+            return size
+        for n in self.graph.nodes:
+            if n.op != "placeholder":
+                break
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymInt) and v.node.expr == size.node.expr:
+                return n
+        return self.insert(aten.sym_size.int, (x, dim), before=before)
+
+    def erase_unused(self, candidates: set[fx.Node]) -> None:
+        for node in reversed(list(self.graph.nodes)):
+            if node in candidates and not node.users:
+                self.graph.erase_node(node)

@@ -1,0 +1,54 @@
+"""What the passes did to one compiled graph, and why they left a site alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Site:
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "gather_before_unknown_op", ...
+    node: str  # node name in the post-grad graph
+    shape: str
+    action: str  # what it became: "sequence-parallel", "fused", "left alone", ...
+    reason: str = ""
+
+    def __str__(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return f"{self.kind:<24} {self.node:<28} {self.shape:<22} -> {self.action}{why}"
+
+
+@dataclass
+class GraphReport:
+    variant: str
+    sites: list[Site] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    counts_before: dict[str, int] = field(default_factory=dict)
+    counts_after: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, node, action: str, reason: str = "") -> Site:
+        val = node.meta.get("val") if hasattr(node, "meta") else None
+        shape = tuple(val.shape) if hasattr(val, "shape") else ()
+        site = Site(kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason)
+        self.sites.append(site)
+        return site
+
+    def __str__(self) -> str:
+        lines = [f"[{self.variant}] collectives before: {self.counts_before}  after: {self.counts_after}"]
+        lines += [f"  {s}" for s in self.sites]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
+class CompileReport:
+    """Everything `tpweave.report(compiled)` shows: one GraphReport per compiled variant."""
+
+    graphs: list[GraphReport] = field(default_factory=list)
+    num_compiles: int = 0
+    sp_min_tokens: int | None = None
+
+    def __str__(self) -> str:
+        head = f"tpweave report: {self.num_compiles} graph(s) compiled"
+        if self.sp_min_tokens is not None:
+            head += f"; sequence-parallel graph for M >= {self.sp_min_tokens}, plain TP graph below"
+        return "\n".join([head, *(str(g) for g in self.graphs)])

@@ -1,0 +1,360 @@
+"""Sequence-parallel pass: propagate a token-sharded placement through the post-grad ATen graph.
+
+Placements: a node is either replicated (the default: the graph as written) or `Shard`: this rank
+holds rows [rank*r, (rank+1)*r) of its tokens flattened, r = ceil(N/TP), as the node `local`.
+- all_reduce(sum) -> reduce_scatter_tokens: the result is a Shard.
+- token-wise ops (pointwise, casts, reductions/softmax/norms over feature dims, views and slices
+  that keep the token dims leading) run on the Shard; a replicated activation of the same tokens
+  that meets a Shard is sliced locally (no communication).
+- any other consumer (matmuls, attention, graph outputs, ops we do not know) gets one
+  all_gather_tokens per Shard node, inserted right before the first consumer and shared by all.
+Nothing is guessed: an op that is not known to be token-wise gathers first and the report says so.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tpweave.compiler.graph_utils import VIEW_OPS, GraphEditor, aten, funcol, is_tensor_node, prod, same, same_sizes, tpw, val
+from tpweave.compiler.report import GraphReport
+
+# Consumers that need every token by nature: gathering before them is the plan, not a fallback.
+FULL_CONSUMERS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten._scaled_mm.default,
+    tpw.attention.default,
+    funcol.all_gather_into_tensor.default,
+}
+
+REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var_mean.correction, aten.var.correction}
+SOFTMAXES = {aten._softmax.default, aten._log_softmax.default}
+NORMS = {aten.native_layer_norm.default, aten._fused_rms_norm.default}
+SAME_SHAPE_OPS = {torch.ops.prims.convert_element_type.default, aten.clone.default, aten._to_copy.default, aten.alias.default}
+
+
+@dataclass(frozen=True)
+class SPConfig:
+    group_name: str
+    rank: int
+    world_size: int
+
+
+@dataclass
+class Shard:
+    local: fx.Node  # this rank's rows, shape (ceil(N/TP), *features) (or a tuple of such)
+    token_sizes: list  # FX args (ints / SymInt nodes) of the logical token dims, N = their product
+
+    @property
+    def num_token_dims(self) -> int:
+        return len(self.token_sizes)
+
+
+class NotTokenWise(Exception):
+    pass
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+class SequenceParallelPass:
+    def __init__(self, graph: fx.Graph, cfg: SPConfig, report: GraphReport):
+        self.graph, self.cfg, self.report = graph, cfg, report
+        self.edit = GraphEditor(graph)
+        self.shards: dict[fx.Node, Shard] = {}
+        self.gathered: dict[fx.Node, fx.Node] = {}
+        self.replaced: set[fx.Node] = set()
+
+    # ---- driver -------------------------------------------------------------------------------
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node.op == "output":
+                self._gather_inputs(node, why="graph output")
+            elif node.op == "call_function":
+                self.visit(node)
+        self.edit.erase_unused(self.replaced)
+
+    def visit(self, node: fx.Node) -> None:
+        if node.target is funcol.wait_tensor.default and self._is_all_reduce(node.args[0]):
+            self._all_reduce(node)
+            return
+        if not any(a in self.shards for a in node.all_input_nodes):
+            return
+        try:
+            shard = self._token_wise(node)
+        except NotTokenWise as e:
+            reason = str(e)
+            if node.target in FULL_CONSUMERS or node.target is funcol.all_reduce.default:
+                self._gather_inputs(node, why=f"{_op_name(node)} needs all tokens")
+            else:
+                self._gather_inputs(node, why=f"unknown op {_op_name(node)}: gathered first ({reason})", unknown=True)
+            return
+        self.shards[node] = shard
+        self.replaced.add(node)
+
+    # ---- all_reduce -> reduce_scatter ---------------------------------------------------------
+    def _is_all_reduce(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and node.target is funcol.all_reduce.default
+
+    def _all_reduce(self, wait: fx.Node) -> None:
+        ar = wait.args[0]
+        x, reduce_op, group_name = ar.args[:3]
+        x_val = val(x)
+        why = None
+        if reduce_op != "sum":
+            why = f"reduce op {reduce_op!r} is not a sum"
+        elif group_name != self.cfg.group_name:
+            why = f"group {group_name!r} is not the TP group {self.cfg.group_name!r}"
+        elif x_val.dim() < 2:
+            why = "a 1-D tensor has no token dim to shard"
+        elif len(ar.users) != 1:
+            why = "the un-waited all_reduce has other users"
+        if why:
+            self.report.add("all_reduce", ar, "left alone", why)
+            if x in self.shards:
+                self._gather_inputs(ar, why="input of an all_reduce left alone")
+            return
+        if x in self.shards:
+            self._gather_inputs(ar, why="all_reduce of a sharded tensor")
+            x = ar.args[0]
+        k = x_val.dim() - 1  # every dim but the hidden one is a token dim
+        token_sizes = [self.edit.size_arg(x, d, before=wait) for d in range(k)]
+        rs = self.edit.insert(tpw.reduce_scatter_tokens.default, (x, k, self.cfg.group_name, self.cfg.world_size), before=wait)
+        self.shards[wait] = Shard(rs, token_sizes)
+        self.replaced |= {wait, ar}
+        self.report.add("all_reduce", ar, "sequence-parallel", "reduce_scatter_tokens; token-wise ops after it on 1/TP of the tokens")
+
+    # ---- gathers ------------------------------------------------------------------------------
+    def _full(self, node: fx.Node, *, before: fx.Node) -> fx.Node:
+        if node not in self.gathered:
+            sh = self.shards[node]
+            if isinstance(val(node), (tuple, list)):
+                raise AssertionError(f"cannot gather the tuple-valued {node.name}")
+            args = (sh.local, sh.token_sizes, self.cfg.group_name, self.cfg.world_size)
+            self.gathered[node] = self.edit.insert(tpw.all_gather_tokens.default, args, before=before)
+        return self.gathered[node]
+
+    def _gather_inputs(self, node: fx.Node, *, why: str, unknown: bool = False) -> None:
+        for inp in list(node.all_input_nodes):
+            if inp in self.shards:
+                first = inp not in self.gathered
+                full = self._full(inp, before=node)
+                node.replace_input_with(inp, full)
+                if first:
+                    self.report.add("all_gather", full, "inserted", f"for {why}" + (f" of {inp.name}" if unknown else ""))
+                if unknown:
+                    self.report.notes.append(f"{node.name}: {why}")
+
+    # ---- token-wise rules ---------------------------------------------------------------------
+    def _token_wise(self, node: fx.Node) -> Shard:
+        t = node.target
+        if t is operator.getitem:
+            return self._getitem(node)
+        if not isinstance(t, torch._ops.OpOverload):
+            raise NotTokenWise("not an ATen op")
+        for v in node.kwargs.values():
+            if isinstance(v, fx.Node) and v in self.shards:
+                raise NotTokenWise("sharded keyword argument")
+        if torch.Tag.pointwise in t.tags or t in SAME_SHAPE_OPS:
+            return self._pointwise(node)
+        if t in REDUCTIONS or t in SOFTMAXES:
+            return self._reduction(node)
+        if t in NORMS:
+            return self._norm(node)
+        if t in VIEW_OPS:
+            return self._view(node)
+        if t is aten.unsqueeze.default:
+            return self._dim_op(node, out_ndim=val(node).dim())
+        if t in (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.squeeze.dim):
+            return self._dim_op(node, out_ndim=val(node.args[0]).dim())
+        if t is aten.permute.default:
+            return self._permute(node)
+        if t is aten.cat.default:
+            return self._cat(node)
+        raise NotTokenWise("no token-wise rule")
+
+    def _input_shard(self, node: fx.Node) -> tuple[fx.Node, Shard]:
+        x = node.args[0]
+        if not (isinstance(x, fx.Node) and x in self.shards):
+            raise NotTokenWise("first argument is not the sharded tensor")
+        for a in node.all_input_nodes[1:]:
+            if a in self.shards and a is not x:
+                raise NotTokenWise("several sharded inputs")
+        return x, self.shards[x]
+
+    def _replace(self, node: fx.Node, args: tuple, token_sizes: list, kwargs: dict | None = None) -> Shard:
+        new = self.edit.insert(node.target, args, node.kwargs if kwargs is None else kwargs, before=node)
+        return Shard(new, token_sizes)
+
+    def _getitem(self, node: fx.Node) -> Shard:
+        src, idx = node.args
+        sh = self.shards[src]
+        if not isinstance(val(src), (tuple, list)):
+            raise NotTokenWise("getitem on a tensor")
+        return self._replace(node, (sh.local, idx), sh.token_sizes)
+
+    def _pointwise(self, node: fx.Node) -> Shard:
+        out = val(node)
+        sharded = [a for a in node.all_input_nodes if a in self.shards]
+        ref = self.shards[sharded[0]]
+        k = ref.num_token_dims
+        tokens = val(sharded[0]).shape[:k]
+        if not isinstance(out, torch.Tensor) or out.dim() < k or not same_sizes(out.shape[:k], tokens):
+            raise NotTokenWise("output does not keep the token dims")
+        for s in sharded:
+            sv = val(s)
+            if self.shards[s].num_token_dims != k or sv.dim() != out.dim() or not same_sizes(sv.shape[:k], tokens):
+                raise NotTokenWise("sharded inputs with different token layouts")
+        num_features = out.dim() - k
+
+        def local(a: Any) -> Any:
+            if not isinstance(a, fx.Node):
+                return a
+            if a in self.shards:
+                return self.shards[a].local
+            if not is_tensor_node(a):
+                return a
+            av = val(a)
+            if av.dim() <= num_features:
+                return a  # broadcasts over tokens only (a per-hidden weight, a scalar tensor)
+            lead = av.shape[: av.dim() - num_features]
+            if all(same(s, 1) for s in lead):
+                feats = av.shape[av.dim() - num_features :]
+                if not all(isinstance(s, int) for s in feats):
+                    raise NotTokenWise("broadcast operand with symbolic feature dims")
+                return self.edit.insert(aten.view.default, (a, [1, *feats]), before=node)
+            if av.dim() == out.dim() and same_sizes(lead, tokens):
+                # A replicated activation of the same tokens meets the shard: slice it here, for free.
+                sliced = self.edit.insert(tpw.shard_tokens.default, (a, k, self.cfg.rank, self.cfg.world_size), before=node)
+                self.report.add("replicated->shard", a, "sliced locally", f"meets sharded {sharded[0].name} in {node.name}")
+                return sliced
+            raise NotTokenWise(f"operand {a.name} broadcasts over some token dims")
+
+        args = tuple(_map_args(node.args, local))
+        kwargs = dict(node.kwargs)
+        return self._replace(node, args, ref.token_sizes, kwargs)
+
+    def _reduction(self, node: fx.Node) -> Shard:
+        x, sh = self._input_shard(node)
+        ndim, k = val(x).dim(), sh.num_token_dims
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if node.target in SOFTMAXES:
+            dims, where = [args[1]], "softmax"
+        elif len(args) > 1:
+            dims, where = args[1], "args"
+        else:
+            dims, where = kwargs.get("dim"), "kwargs"
+        if dims is None:
+            raise NotTokenWise("reduction over all dims")
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        local_dims = []
+        for d in dims:
+            dn = _norm_dim(d, ndim)
+            if dn < k:
+                raise NotTokenWise("reduces over a token dim")
+            local_dims.append(dn - k + 1)
+        if where == "softmax":
+            args[1] = local_dims[0]
+        elif where == "args":
+            args[1] = local_dims
+        else:
+            kwargs["dim"] = local_dims
+        args[0] = sh.local
+        return self._replace(node, tuple(args), sh.token_sizes, kwargs)
+
+    def _norm(self, node: fx.Node) -> Shard:
+        x, sh = self._input_shard(node)
+        if len(node.args[1]) > val(x).dim() - sh.num_token_dims:
+            raise NotTokenWise("normalizes over token dims")
+        return self._replace(node, (sh.local, *node.args[1:]), sh.token_sizes)
+
+    def _dim_op(self, node: fx.Node, *, out_ndim: int) -> Shard:
+        """unsqueeze/squeeze/slice/split: one `dim` argument that must be a feature dim."""
+        x, sh = self._input_shard(node)
+        k = sh.num_token_dims
+        args = list(node.args)
+        if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            pos = 2
+            dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
+        else:
+            pos = 1
+            dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+        dn = _norm_dim(dim, out_ndim)
+        if dn < k:
+            raise NotTokenWise("acts on a token dim")
+        kwargs = dict(node.kwargs)
+        kwargs.pop("dim", None)
+        while len(args) <= pos:
+            args.append(None)
+        args[0], args[pos] = sh.local, dn - k + 1
+        if node.target is aten.slice.Tensor and args[2] is None:
+            args = args[:2]
+        return self._replace(node, tuple(args), sh.token_sizes, kwargs)
+
+    def _permute(self, node: fx.Node) -> Shard:
+        x, sh = self._input_shard(node)
+        k, ndim = sh.num_token_dims, val(x).dim()
+        dims = [_norm_dim(d, ndim) for d in node.args[1]]
+        if dims[:k] != list(range(k)):
+            raise NotTokenWise("moves a token dim")
+        return self._replace(node, (sh.local, [0] + [d - k + 1 for d in dims[k:]]), sh.token_sizes)
+
+    def _cat(self, node: fx.Node) -> Shard:
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not all(isinstance(t, fx.Node) and t in self.shards for t in tensors):
+            raise NotTokenWise("cat of sharded and replicated tensors")
+        sh = self.shards[tensors[0]]
+        k, ndim = sh.num_token_dims, val(node).dim()
+        for t in tensors:
+            if self.shards[t].num_token_dims != k or not same_sizes(val(t).shape[:k], val(tensors[0]).shape[:k]):
+                raise NotTokenWise("cat of different token layouts")
+        dn = _norm_dim(dim, ndim)
+        if dn < k:
+            raise NotTokenWise("cat along a token dim")
+        return self._replace(node, ([self.shards[t].local for t in tensors], dn - k + 1), sh.token_sizes, {})
+
+    def _view(self, node: fx.Node) -> Shard:
+        x, sh = self._input_shard(node)
+        k = sh.num_token_dims
+        in_shape, out_shape = val(x).shape, val(node).shape
+        num_tokens = prod(in_shape[:k])
+        j = next((j for j in range(1, len(out_shape) + 1) if same(prod(out_shape[:j]), num_tokens)), None)
+        if j is None:
+            raise NotTokenWise("view mixes token and feature dims")
+        feats = list(out_shape[j:])
+        if not all(isinstance(f, int) for f in feats):
+            raise NotTokenWise("view with symbolic feature dims")
+        if j == k and same_sizes(out_shape[:j], in_shape[:k]):
+            token_sizes = sh.token_sizes
+        else:
+            shape_arg = node.args[1]
+            token_sizes = []
+            for i in range(j):
+                s = shape_arg[i]
+                if isinstance(s, int) and s == -1:
+                    s = out_shape[i]
+                    if not isinstance(s, int):
+                        raise NotTokenWise("view with an inferred symbolic token dim")
+                token_sizes.append(s)
+        rows = self.edit.size_arg(sh.local, 0, before=node)
+        return self._replace(node, (sh.local, [rows, *feats]), token_sizes)
+
+
+def _map_args(args, fn):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield type(a)(fn(b) for b in a)
+        else:
+            yield fn(a)
+
+
+def _op_name(node: fx.Node) -> str:
+    t = node.target
+    return getattr(t, "__name__", None) if not hasattr(t, "_schema") else str(t._schema.name) + (f".{t._overloadname}" if t._overloadname != "default" else "")

@@ -1,0 +1,94 @@
+"""The async-TP ops: all-gather + matmul(s) and matmul + reduce-scatter, one node each in the graph.
+
+Which implementation (strategy) runs is decided at run time from the token count M and a `policy`
+string baked into the graph: "name" or "name@m0,name2@m1,..." meaning name2 from M >= m1 on, etc.
+The strategies live in ops/strategies/, one per file, and register themselves in STRATEGIES.
+On CPU (and for any strategy that cannot run) the op falls back to `sequential`, so CI runs the same graph.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from tpweave.ops.collectives import shard_rows
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    ag_mm: Callable[..., list[Tensor]] | None = None
+    mm_rs: Callable[..., Tensor] | None = None
+    available: Callable[[Tensor], bool] = lambda x: True
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+@functools.lru_cache(maxsize=256)
+def parse_policy(policy: str) -> tuple[tuple[int, str], ...]:
+    """'sequential' -> ((0, 'sequential'),); 'a@0,b@2048' -> ((0,'a'), (2048,'b')), sorted by M."""
+    steps = []
+    for part in policy.split(","):
+        name, _, start = part.strip().partition("@")
+        steps.append((int(start or 0), name))
+    return tuple(sorted(steps))
+
+
+def pick(policy: str, num_tokens: int, x: Tensor, kind: str) -> Strategy:
+    chosen = "sequential"
+    for start, name in parse_policy(policy):
+        if num_tokens >= start:
+            chosen = name
+    strategy = STRATEGIES.get(chosen)
+    if strategy is None or getattr(strategy, kind) is None or not strategy.available(x):
+        strategy = STRATEGIES["sequential"]
+    return strategy
+
+
+@torch.library.custom_op("tpweave::ag_mm", mutates_args=())
+def ag_mm(
+    x_local: Tensor,
+    weights: list[Tensor],
+    biases: list[Optional[Tensor]],
+    token_sizes: list[int],
+    group_name: str,
+    world_size: int,
+    policy: str,
+) -> list[Tensor]:
+    """[A, A2 @ W_0 (+ b_0), ...]: A (*token_sizes, K) gathered from the (ceil(N/TP), K) shards, A2 = A as (N, K)."""
+    num_tokens = math.prod(token_sizes)
+    strategy = pick(policy, num_tokens, x_local, "ag_mm")
+    return strategy.ag_mm(x_local, weights, biases, token_sizes, group_name, world_size)
+
+
+@ag_mm.register_fake
+def _(x_local, weights, biases, token_sizes, group_name, world_size, policy):
+    num_tokens = math.prod(token_sizes)
+    a = x_local.new_empty(*token_sizes, *x_local.shape[1:])
+    return [a] + [x_local.new_empty(num_tokens, w.shape[1]) for w in weights]
+
+
+@torch.library.custom_op("tpweave::mm_rs", mutates_args=())
+def mm_rs(a: Tensor, weight: Tensor, group_name: str, world_size: int, policy: str) -> Tensor:
+    """reduce_scatter_tokens(a @ weight): (N, K) x (K, H) -> this rank's (ceil(N/TP), H) rows of the sum."""
+    strategy = pick(policy, a.shape[0], a, "mm_rs")
+    return strategy.mm_rs(a, weight, group_name, world_size)
+
+
+@mm_rs.register_fake
+def _(a, weight, group_name, world_size, policy):
+    return a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[1])
+
+
+from tpweave.ops.strategies import sequential as _sequential  # noqa: E402,F401  (registers)
+from tpweave.ops.strategies import symm_mem_fused as _symm_mem_fused  # noqa: E402,F401

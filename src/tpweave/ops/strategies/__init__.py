@@ -1,0 +1,1 @@
+"""One overlap strategy per file; each registers itself in tpweave.ops.overlap.STRATEGIES."""

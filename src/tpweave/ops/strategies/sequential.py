@@ -1,0 +1,20 @@
+"""Sequential: the collective, then the matmul(s). Runs everywhere (CPU/gloo included): the reference."""
+from __future__ import annotations
+
+import torch
+
+from tpweave.ops.overlap import Strategy, register
+
+
+def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
+    a = torch.ops.tpweave.all_gather_tokens(x_local, token_sizes, group_name, world_size)
+    a2 = a.reshape(-1, a.shape[-1])
+    outs = [a2 @ w if b is None else torch.addmm(b, a2, w) for w, b in zip(weights, biases)]
+    return [a, *outs]
+
+
+def mm_rs(a, weight, group_name, world_size):
+    return torch.ops.tpweave.reduce_scatter_tokens(a @ weight, 1, group_name, world_size)
+
+
+SEQUENTIAL = register(Strategy("sequential", ag_mm=ag_mm, mm_rs=mm_rs))

@@ -1,0 +1,45 @@
+"""torch's symmetric-memory fused ops (`symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`).
+
+CUDA only. Shards are padded to ceil(N/TP) rows, so every rank's chunk has the same size, as the
+fused ops require; padding rows are dropped from the outputs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from tpweave.ops.overlap import Strategy, register
+
+
+@functools.lru_cache(maxsize=None)
+def _enable(group_name: str) -> None:
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(group_name)
+
+
+def _available(x: torch.Tensor) -> bool:
+    return x.is_cuda and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
+
+
+def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
+    _enable(group_name)
+    num_tokens = 1
+    for s in token_sizes:
+        num_tokens *= s
+    a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(x_local.contiguous(), list(weights), 0, group_name, return_A=True)
+    outs = [o[:num_tokens] if b is None else o[:num_tokens] + b for o, b in zip(outs, biases)]
+    return [a_full[:num_tokens].reshape(*token_sizes, x_local.shape[-1]), *outs]
+
+
+def mm_rs(a, weight, group_name, world_size):
+    _enable(group_name)
+    pad = (-a.shape[0]) % world_size
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+    return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, weight, "sum", 0, group_name)
+
+
+SYMM_MEM_FUSED = register(Strategy("symm_mem_fused", ag_mm=ag_mm, mm_rs=mm_rs, available=_available))
