@@ -99,3 +99,93 @@ def compiled_collectives_recompiles(ctx, token_counts):
             ref = torch.nn.functional.silu(collectives.all_reduce(x.clone(), ctx.group_name)) * 2
             worst = max(worst, float((cf(x) - ref).abs().max()))
     return num_compiles, worst
+
+
+def _batch_shapes_ids(shapes, vocab, device):
+    return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape) * 7 + len(shape))).to(device) for shape in shapes]
+
+
+@torch.no_grad()
+def foreign_model_outputs(ctx, shapes, compile_kwargs=None, seed=0, fail_pass=False, **model_kwargs):
+    """Eager (and, if compile_kwargs is given, compiled) outputs of tests/foreign_models.ForeignModel."""
+    import tpweave
+    from foreign_models import VOCAB, ForeignModel
+
+    model = ForeignModel(ctx.rank, ctx.world_size, seed=seed, **model_kwargs)
+    inputs = _batch_shapes_ids(shapes, VOCAB, ctx.device)
+    result = {"eager": [model(ids).cpu() for ids in inputs]}
+    if compile_kwargs is not None:
+        if fail_pass:
+            from tpweave.compiler import sequence_parallel
+
+            def broken(self):
+                raise RuntimeError("injected pass failure")
+
+            sequence_parallel.SequenceParallelPass.run = broken
+        compiled = tpweave.compile(model, **compile_kwargs)
+        result["compiled"] = [compiled(ids).cpu() for ids in inputs]
+        rep = tpweave.report(compiled)
+        result["report"] = str(rep)
+        result["num_compiles"] = rep.num_compiles
+        result["graphs"] = [(g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites], g.notes) for g in rep.graphs]
+        result["calls"] = dict(compiled.calls)
+    return result
+
+
+@torch.no_grad()
+def llama_compiled_outputs(ctx, source, token_counts, dtype_names=("float32",), compile_kwargs=None, seed=0, **overrides):
+    """For each dtype: compiled and eager logits for every M, plus the report."""
+    import tpweave
+
+    out = {}
+    for name in dtype_names:
+        model = build_model(source, tp=ctx, dtype=DTYPES[name], seed=seed, **overrides)
+        compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
+        for m in token_counts:
+            batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
+            out[(name, m, "compiled")] = compiled(*batch.args()).float().cpu()
+            out[(name, m, "eager")] = model(*batch.args()).float().cpu()
+        rep = tpweave.report(compiled)
+        out[(name, "report")] = str(rep)
+        out[(name, "graphs")] = [(g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites]) for g in rep.graphs]
+        out[(name, "num_compiles")] = rep.num_compiles
+    return out
+
+
+def compile_errors(ctx):
+    import tpweave
+
+    model = build_model("tiny", tp=ctx, dtype=torch.float32, num_layers=1)
+    messages = {}
+    compiled = tpweave.compile(model, sp_min_tokens=0)
+    empty = random_batch([1], vocab_size=model.config.vocab_size)
+    try:
+        compiled(empty.input_ids[:0], empty.positions[:0], empty.cu_seqlens)
+    except ValueError as e:
+        messages["empty"] = str(e)
+    try:
+        tpweave.compile(model, sp_min_tokens=-1)
+    except ValueError as e:
+        messages["negative"] = str(e)
+    return messages
+
+
+@torch.no_grad()
+def gpu_sp_vs_plain(ctx, preset, token_counts, cudagraphs, num_layers=2):
+    """Logits of the SP + async-TP graph and of the plain TP graph, each one compiled graph for all M."""
+    import tpweave
+
+    model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
+    sp = tpweave.compile(model, sp_min_tokens=0, cudagraphs=cudagraphs)
+    plain = tpweave.compile(model, sp=False, cudagraphs=cudagraphs)
+    out = {}
+    for m in token_counts:
+        batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
+        for name, fn in (("sp", sp), ("plain", plain)):
+            for _ in range(2 if cudagraphs else 1):  # with CUDA graphs: record, then replay
+                logits = fn(*batch.args())
+            out[(name, m)] = logits.float().cpu()
+    out["num_compiles_sp"] = tpweave.report(sp).num_compiles
+    out["num_compiles_plain"] = tpweave.report(plain).num_compiles
+    out["report"] = str(tpweave.report(sp))
+    return out

@@ -41,8 +41,16 @@ class TPWeavePass(CustomGraphPass):
 
     def __init__(self, sp_cfg: SPConfig, options: PassOptions, report: GraphReport):
         self.sp_cfg, self.options, self.report = sp_cfg, options, report
+        self.error: Exception | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
+        try:
+            self._run(graph)
+        except Exception as e:
+            self.error = e  # Inductor wraps what we raise; keep the original for the report
+            raise
+
+    def _run(self, graph: fx.Graph) -> None:
         self.report.counts_before = count_collectives(graph)
         logger.debug("[%s] graph before passes:\n%s", self.report.variant, graph)
         if self.options.sp:
@@ -80,12 +88,16 @@ class TPBackend:
         self.report.num_compiles += 1
         graph_report = GraphReport(self.variant)
         self.report.graphs.append(graph_report)
-        patches = {"post_grad_custom_pre_pass": TPWeavePass(self.sp_cfg, self.options, graph_report), "fx_graph_cache": False}
+        tp_pass = TPWeavePass(self.sp_cfg, self.options, graph_report)
+        patches = {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
         try:
             # The report is written by the pass: a cache hit would skip it, so compile for real.
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return compile_fx(gm, example_inputs, config_patches={**self.inductor_options, **patches})
         except Exception as e:  # noqa: BLE001  (any failure inside our passes: fall back, never crash)
+            # Our pass raised, or Inductor failed on the rewritten graph: either way retry without it.
+            # If the graph does not compile without our pass either, that error propagates.
+            e = tp_pass.error or e
             msg = f"passes failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiled without them"
             logger.warning("[%s] %s", self.variant, msg)
             graph_report.notes.append(msg)

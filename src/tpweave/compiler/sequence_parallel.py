@@ -68,7 +68,7 @@ class SequenceParallelPass:
         self.graph, self.cfg, self.report = graph, cfg, report
         self.edit = GraphEditor(graph)
         self.shards: dict[fx.Node, Shard] = {}
-        self.gathered: dict[fx.Node, fx.Node] = {}
+        self.gathered: dict[tuple, fx.Node] = {}  # (local node, token sizes) -> replicated node
         self.replaced: set[fx.Node] = set()
 
     # ---- driver -------------------------------------------------------------------------------
@@ -132,18 +132,28 @@ class SequenceParallelPass:
 
     # ---- gathers ------------------------------------------------------------------------------
     def _full(self, node: fx.Node, *, before: fx.Node) -> fx.Node:
-        if node not in self.gathered:
-            sh = self.shards[node]
-            if isinstance(val(node), (tuple, list)):
-                raise AssertionError(f"cannot gather the tuple-valued {node.name}")
+        """The replicated value of a Shard node: one all_gather per local tensor, shared by every
+        consumer; a consumer that sees other token dims (B, S vs B*S) gets a view of that gather."""
+        sh = self.shards[node]
+        if isinstance(val(node), (tuple, list)):
+            raise AssertionError(f"cannot gather the tuple-valued {node.name}")
+        key = (sh.local, tuple(sh.token_sizes))
+        if key in self.gathered:
+            return self.gathered[key]
+        first = next((g for (local, _), g in self.gathered.items() if local is sh.local), None)
+        if first is None:
             args = (sh.local, sh.token_sizes, self.cfg.group_name, self.cfg.world_size)
-            self.gathered[node] = self.edit.insert(tpw.all_gather_tokens.default, args, before=before)
-        return self.gathered[node]
+            full = self.edit.insert(tpw.all_gather_tokens.default, args, before=before)
+        else:
+            feats = list(val(sh.local).shape[1:])
+            full = self.edit.insert(aten.view.default, (first, [*sh.token_sizes, *feats]), before=before)
+        self.gathered[key] = full
+        return full
 
     def _gather_inputs(self, node: fx.Node, *, why: str, unknown: bool = False) -> None:
         for inp in list(node.all_input_nodes):
             if inp in self.shards:
-                first = inp not in self.gathered
+                first = not any(local is self.shards[inp].local for local, _ in self.gathered)
                 full = self._full(inp, before=node)
                 node.replace_input_with(inp, full)
                 if first:
@@ -343,6 +353,8 @@ class SequenceParallelPass:
                     if not isinstance(s, int):
                         raise NotTokenWise("view with an inferred symbolic token dim")
                 token_sizes.append(s)
+        if same_sizes(tuple(feats), tuple(val(sh.local).shape[1:])):
+            return Shard(sh.local, token_sizes)  # only the token dims change: the local tensor is the same
         rows = self.edit.size_arg(sh.local, 0, before=node)
         return self._replace(node, (sh.local, [rows, *feats]), token_sizes)
 

@@ -1,0 +1,110 @@
+"""TP models written in a style unlike tpweave's own (the compiler must handle them untouched).
+
+3-D (batch, seq, hidden) activations, separate q/k/v and gate/up linears with biases, in-place
+`torch.distributed.all_reduce`, norms written by hand / as F.rms_norm / as nn.LayerNorm, a replicated
+embedding whose output meets the first sharded residual. Weights come from a seed and are sliced by
+rank, so every TP degree computes the same function.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+HIDDEN, HEADS, INTER, VOCAB, LAYERS = 48, 12, 96, 60, 2
+
+
+def _full(gen, *shape, scale=None):
+    t = torch.randn(*shape, generator=gen)
+    return t * (scale if scale is not None else shape[-1] ** -0.5)
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = nn.Parameter(w, requires_grad=False)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+class FusedRMSNorm(HandRMSNorm):
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.w, eps=1e-5)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.ln = nn.LayerNorm(w.shape[0], eps=1e-5)
+        with torch.no_grad():
+            self.ln.weight.copy_(w)
+            self.ln.bias.copy_(w * 0.1 - 0.1)
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+NORMS = {"hand": HandRMSNorm, "fused": FusedRMSNorm, "layernorm": LayerNorm}
+
+
+class Block(nn.Module):
+    def __init__(self, gen, rank, world, *, norm, reduce_op, unknown_op):
+        super().__init__()
+        h, d = HIDDEN // HEADS, HEADS // world
+        self.heads, self.hd, self.reduce_op, self.unknown_op = d, h, reduce_op, unknown_op
+        cols = slice(rank * d * h, (rank + 1) * d * h)
+        inter = slice(rank * INTER // world, (rank + 1) * INTER // world)
+        self.norm1 = NORMS[norm](1 + 0.1 * torch.randn(HIDDEN, generator=gen))
+        self.norm2 = NORMS[norm](1 + 0.1 * torch.randn(HIDDEN, generator=gen))
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, d * h) for _ in range(3))
+        for lin in (self.q, self.k, self.v):
+            w, b = _full(gen, HIDDEN, HIDDEN), 0.1 * torch.randn(HIDDEN, generator=gen)
+            lin.weight.data.copy_(w[cols]), lin.bias.data.copy_(b[cols])
+        self.o = nn.Linear(d * h, HIDDEN, bias=False)
+        self.o.weight.data.copy_(_full(gen, HIDDEN, HIDDEN)[:, cols])
+        self.gate, self.up = nn.Linear(HIDDEN, INTER // world, bias=False), nn.Linear(HIDDEN, INTER // world, bias=False)
+        self.gate.weight.data.copy_(_full(gen, INTER, HIDDEN)[inter])
+        self.up.weight.data.copy_(_full(gen, INTER, HIDDEN)[inter])
+        self.down = nn.Linear(INTER // world, HIDDEN, bias=False)
+        self.down.weight.data.copy_(_full(gen, HIDDEN, INTER)[:, inter])
+        self.down_bias = nn.Parameter(0.1 * torch.randn(HIDDEN, generator=gen), requires_grad=False)
+
+    def _reduce(self, y):
+        if self.reduce_op == "avg":
+            group_name = dist.group.WORLD.group_name
+            return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(y, "avg", group_name))
+        dist.all_reduce(y)
+        return y
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        hx = self.norm1(x)
+        q, k, v = (lin(hx).view(b, s, self.heads, self.hd).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        a = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + self._reduce(self.o(a))
+        if self.unknown_op:
+            x = x + 0.1 * torch.cumsum(x, dim=-1) / HIDDEN  # token-wise, but not an op the pass knows
+        hx = self.norm2(x)
+        return x + (self._reduce(self.down(F.silu(self.gate(hx)) * self.up(hx))) + self.down_bias)
+
+
+class ForeignModel(nn.Module):
+    def __init__(self, rank: int, world: int, *, norm="hand", reduce_op="sum", unknown_op=False, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.embed.weight.data.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
+        self.blocks = nn.ModuleList(Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op) for _ in range(LAYERS))
+        self.norm = NORMS[norm](1 + 0.1 * torch.randn(HIDDEN, generator=gen))
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight.data.copy_(_full(gen, VOCAB, HIDDEN))
+
+    def forward(self, ids_BS):
+        x = self.embed(ids_BS)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
