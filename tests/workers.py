@@ -189,3 +189,47 @@ def gpu_sp_vs_plain(ctx, preset, token_counts, cudagraphs, num_layers=2):
     out["num_compiles_plain"] = tpweave.report(plain).num_compiles
     out["report"] = str(tpweave.report(sp))
     return out
+
+
+@torch.no_grad()
+def gpu_piecewise(ctx, preset, token_counts, num_layers=2):
+    """SP + async TP with Inductor graph partition at tpweave::attention and CUDA graphs per partition."""
+    import tpweave
+    from torch._inductor.utils import run_and_get_code
+
+    model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
+    piecewise = tpweave.compile(model, sp_min_tokens=0, cudagraphs=True, piecewise=True)
+    plain = tpweave.compile(model, sp=False)
+    out = {}
+    for i, m in enumerate(token_counts):
+        batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
+        if i == 0:
+            logits, code = run_and_get_code(piecewise, *batch.args())
+            out["num_partitions"] = max(c.count("def partition_") for c in code)
+        for _ in range(2):
+            logits = piecewise(*batch.args())
+        out[("piecewise", m)] = logits.float().cpu()
+        out[("plain", m)] = plain(*batch.args()).float().cpu()
+    out["num_compiles"] = tpweave.report(piecewise).num_compiles
+    return out
+
+
+@torch.no_grad()
+def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
+    """ag_mm and mm_rs under every registered strategy, against the sequential one."""
+    from tpweave.ops.overlap import STRATEGIES
+
+    dtype = DTYPES[dtype_name]
+    out = {}
+    for m in token_counts:
+        gen = torch.Generator(device=ctx.device).manual_seed(m)
+        rows = -(-m // ctx.world_size)
+        x_local = torch.randn(rows, k, device=ctx.device, dtype=dtype, generator=gen) + ctx.rank
+        w = torch.randn(n, k, device=ctx.device, dtype=dtype, generator=gen).t() * k**-0.5
+        a = torch.randn(m, n, device=ctx.device, dtype=dtype, generator=gen) + ctx.rank
+        w2 = torch.randn(k, n, device=ctx.device, dtype=dtype, generator=gen).t() * n**-0.5
+        for name in STRATEGIES:
+            ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, None], [m], ctx.group_name, ctx.world_size, name)
+            rs = torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, ctx.world_size, name)
+            out[(name, m)] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
+    return out

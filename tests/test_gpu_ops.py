@@ -1,0 +1,34 @@
+"""GPU (2 ranks, NCCL): every overlap strategy against the sequential one; piecewise CUDA graphs."""
+import pytest
+import torch
+
+import tpweave
+
+import workers
+
+pytestmark = pytest.mark.gpu(gpus=2)
+
+
+def test_every_strategy_matches_sequential():
+    counts = [1, 7, 512, 4096]
+    out = tpweave.launch(workers.gpu_strategy_outputs, counts, 4096, 6144, nprocs=2, backend="nccl")
+    names = {name for name, _ in out[0] if isinstance(name, str)}
+    assert "symm_mem_fused" in names
+    for rank_out in out:
+        for m in counts:
+            ref = rank_out[("sequential", m)]
+            assert ref[0].shape == (m, 4096) and ref[1].shape == (m, 6144) and ref[3].shape == (-(-m // 2), 4096)
+            for name in names:
+                for got, want in zip(rank_out[(name, m)], ref):
+                    torch.testing.assert_close(got, want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
+
+
+def test_piecewise_cudagraphs_after_rewrite():
+    counts = [7, 512, 1, 4096]
+    out = tpweave.launch(workers.gpu_piecewise, "llama3-8b", counts, nprocs=2, backend="nccl")
+    for rank_out in out:
+        assert rank_out["num_compiles"] == 1
+        assert rank_out["num_partitions"] >= 2  # cut at the attention op of each layer
+        for m in counts:
+            got, want = rank_out[("piecewise", m)], rank_out[("plain", m)]
+            assert (got - want).abs().max().item() <= 3e-2 * max(1.0, want.abs().max().item()), m
