@@ -1,0 +1,5 @@
+import sys
+
+from tpweave.cli import main
+
+sys.exit(main())
