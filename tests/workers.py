@@ -176,7 +176,7 @@ def gpu_sp_vs_plain(ctx, preset, token_counts, cudagraphs, num_layers=2):
     import tpweave
 
     model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
-    sp = tpweave.compile(model, sp_min_tokens=0, cudagraphs=cudagraphs)
+    sp = tpweave.compile(model, sp=True, sp_min_tokens=0, cudagraphs=cudagraphs)
     plain = tpweave.compile(model, sp=False, cudagraphs=cudagraphs)
     out = {}
     for m in token_counts:
@@ -198,7 +198,7 @@ def gpu_piecewise(ctx, preset, token_counts, num_layers=2):
     from torch._inductor.utils import run_and_get_code
 
     model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
-    piecewise = tpweave.compile(model, sp_min_tokens=0, cudagraphs=True, piecewise=True)
+    piecewise = tpweave.compile(model, sp=True, sp_min_tokens=0, cudagraphs=True, piecewise=True)
     plain = tpweave.compile(model, sp=False)
     out = {}
     for i, m in enumerate(token_counts):

@@ -155,7 +155,7 @@ def compile(
     module: torch.nn.Module,
     *,
     group: dist.ProcessGroup | str | None = None,
-    sp: bool = True,
+    sp: bool | None = None,
     async_tp: bool = True,
     sp_min_tokens: int | None = None,
     ag_mm_policy: str = "sequential",
@@ -184,10 +184,12 @@ def compile(
     if piecewise:
         inductor_options["graph_partition"] = True
         inductor_options["custom_should_partition_ops"] = list(ATTENTION_OPS)
-    report = CompileReport(sp_min_tokens=sp_min_tokens if sp and sp_cfg.world_size > 1 else None)
+    if sp is None:
+        sp = sp_cfg.world_size > 1  # with one rank SP only adds copies; sp=True still forces it (tests)
+    report = CompileReport(sp_min_tokens=sp_min_tokens if sp else None)
     variants: dict[str, Callable] = {}
     want = {"plain": PassOptions(sp=False, async_tp=False)}
-    if sp and sp_cfg.world_size > 1:
+    if sp:
         want["sp"] = PassOptions(sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy)
     for name, options in want.items():
         backend = TPBackend(variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options)
