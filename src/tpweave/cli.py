@@ -63,6 +63,73 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if agree else 1
 
 
+def _tokens(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens needs token counts >= 1, got {text!r}")
+    return values
+
+
+def _calibrate_worker(ctx, model, dtype_name, grid, settings, num_layers):
+    from tpweave.tuning.calibrate import calibrate
+    from tpweave.tuning.table import save_table
+
+    table = calibrate(ctx, model, dtype_name=dtype_name, grid=grid, settings=settings, num_layers=num_layers)
+    path = save_table(table) if ctx.rank == 0 else None
+    return table.to_json(), str(path)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tpweave.bench.layer import BenchSettings
+    from tpweave.models.config import get_preset
+    from tpweave.runtime import launch
+    from tpweave.tuning.table import StrategyTable
+
+    get_preset(args.model).check_tp(args.tp)
+    settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
+    table_json, path = launch(_calibrate_worker, args.model, args.dtype, args.tokens, settings, args.layers, nprocs=args.tp, timeout_s=args.timeout)[0]
+    table = StrategyTable.from_json(table_json)
+    print(f"calibration table written to {path}")
+    for site, policy in sorted(table.policies.items()):
+        print(f"  {site:<24} {policy}")
+    print(f"  sequence-parallel graph from M >= {table.sp_min_tokens}")
+    return 0
+
+
+def _bench_layer_worker(ctx, model, dtype_name, tokens, settings, num_layers, with_ops):
+    from tpweave.bench.layer import bench_layers, bench_ops
+    from tpweave.models.config import get_preset
+    from tpweave.tuning.table import load_table, table_key
+
+    table = load_table(table_key(get_preset(model), tp=ctx.world_size, dtype=DTYPES[dtype_name]))
+    rows = bench_layers(ctx, model, tokens, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table)
+    if with_ops:
+        rows += bench_ops(ctx, model, tokens, dtype_name=dtype_name, settings=settings)
+    return rows, table is not None
+
+
+def cmd_bench_layer(args: argparse.Namespace) -> int:
+    from tpweave.bench.layer import BenchSettings
+    from tpweave.bench.results import LAYER_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.models.config import get_preset
+    from tpweave.runtime import launch
+
+    get_preset(args.model).check_tp(args.tp)
+    settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
+    rows, calibrated = launch(_bench_layer_worker, args.model, args.dtype, args.tokens, settings, args.layers, not args.no_ops,
+                              nprocs=args.tp, timeout_s=args.timeout)[0]
+    meta = run_metadata({"model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.layers, "calibrated": calibrated,
+                         "reps": args.reps, "inner": args.inner})
+    print(markdown_table([r for r in rows if r["what"] == "layer"], LAYER_COLUMNS))
+    name = args.name or f"layer-{args.model}-tp{args.tp}-{args.dtype}"
+    json_path, md_path = write_results(args.out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpweave", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -74,6 +141,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--no-compile", action="store_true", help="eager forward only")
     demo.add_argument("--timeout", type=float, default=900)
     demo.set_defaults(fn=cmd_demo)
+
+    def timing_args(p):
+        p.add_argument("--model", default="llama3-8b")
+        p.add_argument("--tp", type=int, default=2)
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+        p.add_argument("--layers", type=int, default=2, help="decoder layers timed together (reported per layer)")
+        p.add_argument("--reps", type=int, default=10)
+        p.add_argument("--warmup", type=int, default=3)
+        p.add_argument("--inner", type=int, default=5, help="graph replays per timed sample")
+        p.add_argument("--timeout", type=float, default=3600)
+
+    cal = sub.add_parser("calibrate", help="measure every strategy per site shape and M; write the strategy table")
+    timing_args(cal)
+    cal.add_argument("--tokens", type=_tokens, default="1,16,64,256,512,1024,2048,4096,8192,16384")
+    cal.set_defaults(fn=cmd_calibrate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_cmd", required=True)
+    layer = bench_sub.add_parser("layer", help="per layer and per op: baseline, SP, SP+fused, auto, compute-only")
+    timing_args(layer)
+    layer.add_argument("--tokens", type=_tokens, default="1,16,128,512,1024,2048,4096,8192,16384")
+    layer.add_argument("--no-ops", action="store_true", help="skip the per-op table")
+    layer.add_argument("--out", default="benchmarks/results")
+    layer.add_argument("--name", default=None)
+    layer.set_defaults(fn=cmd_bench_layer)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

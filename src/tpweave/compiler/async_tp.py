@@ -3,6 +3,7 @@ tpweave overlapped op each (`tpweave::ag_mm`, `tpweave::mm_rs`), whose strategy 
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch.fx as fx
 
@@ -45,7 +46,7 @@ def _hoist(weight: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> bool:
     return True
 
 
-def fuse_all_gather_matmuls(graph: fx.Graph, *, policy: str, report: GraphReport) -> None:
+def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
     for ag in [n for n in graph.nodes if n.target is tpw.all_gather_tokens.default]:
         x_local, token_sizes, group_name, world_size = ag.args
@@ -59,6 +60,8 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy: str, report: GraphReport
             continue
         first = users[0][0]
         users = [u for u in users if _hoist(u[1], first, order) and (u[2] is None or _hoist(u[2], first, order))]
+        # One GEMM width for the site: the sum over the matmuls sharing this gather.
+        policy = policy_for("ag_mm", int(val(x_local).shape[-1]), sum(int(val(u[1]).shape[1]) for u in users))
         args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy)
         fused = edit.insert(tpw.ag_mm.default, args, before=first)
         with graph.inserting_after(fused):
@@ -79,7 +82,7 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy: str, report: GraphReport
         report.add("all_gather+matmul", fused, "fused", f"tpweave::ag_mm over {len(users)} matmul(s) [{names}], policy {policy!r}")
 
 
-def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy: str, report: GraphReport) -> None:
+def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
     for rs in [n for n in graph.nodes if n.target is tpw.reduce_scatter_tokens.default]:
         x, _, group_name, world_size = rs.args
@@ -90,6 +93,7 @@ def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy: str, report: GraphRe
             report.add("reduce_scatter", rs, "left alone", f"input {x.name} is not a matmul used only here")
             continue
         a, w = src.args
+        policy = policy_for("mm_rs", int(val(w).shape[0]), int(val(w).shape[1]))
         fused = edit.insert(tpw.mm_rs.default, (a, w, group_name, world_size, policy), before=rs)
         if not same_sizes(val(fused).shape, val(rs).shape):
             graph.erase_node(fused)

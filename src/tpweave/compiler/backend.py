@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from tpweave.compiler.log import logger
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
 
+if TYPE_CHECKING:
+    from tpweave.tuning.table import StrategyTable
+
 # Without a calibration table, SP is used from this many tokens on (it loses below ~512 on H200 TP2).
 DEFAULT_SP_MIN_TOKENS = 512
 ATTENTION_OPS = ("tpweave::attention",)
@@ -32,8 +35,13 @@ ATTENTION_OPS = ("tpweave::attention",)
 class PassOptions:
     sp: bool
     async_tp: bool
-    ag_mm_policy: str = "sequential"
+    ag_mm_policy: str = "sequential"  # default for sites the table does not list
     mm_rs_policy: str = "sequential"
+    site_policies: tuple[tuple[str, str], ...] = ()  # ("ag_mm:4096x3072", policy), from the table
+
+    def policy(self, kind: str, k: int, n: int) -> str:
+        default = self.ag_mm_policy if kind == "ag_mm" else self.mm_rs_policy
+        return dict(self.site_policies).get(f"{kind}:{k}x{n}", default)
 
 
 class TPWeavePass(CustomGraphPass):
@@ -57,8 +65,8 @@ class TPWeavePass(CustomGraphPass):
             sequence_parallel.SequenceParallelPass(graph, self.sp_cfg, self.report).run()
             logger.debug("[%s] graph after sequence_parallel:\n%s", self.report.variant, graph)
             if self.options.async_tp:
-                async_tp.fuse_all_gather_matmuls(graph, policy=self.options.ag_mm_policy, report=self.report)
-                async_tp.fuse_matmul_reduce_scatters(graph, policy=self.options.mm_rs_policy, report=self.report)
+                async_tp.fuse_all_gather_matmuls(graph, policy_for=self.options.policy, report=self.report)
+                async_tp.fuse_matmul_reduce_scatters(graph, policy_for=self.options.policy, report=self.report)
                 logger.debug("[%s] graph after async_tp:\n%s", self.report.variant, graph)
         else:
             for node in graph.nodes:
@@ -158,6 +166,7 @@ def compile(
     sp: bool | None = None,
     async_tp: bool = True,
     sp_min_tokens: int | None = None,
+    table: "StrategyTable | str | None" = "auto",
     ag_mm_policy: str = "sequential",
     mm_rs_policy: str = "sequential",
     cudagraphs: bool = False,
@@ -173,9 +182,16 @@ def compile(
         group = _resolve_process_group(group)
     group = group or dist.group.WORLD
     sp_cfg = SPConfig(group_name=group.group_name, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    if isinstance(table, str):
+        if table != "auto":
+            raise ValueError(f"table must be a StrategyTable, None or 'auto', got {table!r}")
+        table = _cached_table(module, sp_cfg.world_size)
+    if sp_min_tokens is None and table is not None:
+        sp_min_tokens = table.sp_min_tokens
     if sp_min_tokens is None:
         sp_min_tokens = DEFAULT_SP_MIN_TOKENS
         logger.info("no calibration table: sequence parallel from M >= %d (tpweave calibrate would tune this)", sp_min_tokens)
+    site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     if sp_min_tokens < 0:
         raise ValueError(f"sp_min_tokens must be >= 0, got {sp_min_tokens}")
     inductor_options: dict[str, Any] = {}
@@ -190,11 +206,25 @@ def compile(
     variants: dict[str, Callable] = {}
     want = {"plain": PassOptions(sp=False, async_tp=False)}
     if sp:
-        want["sp"] = PassOptions(sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy)
+        want["sp"] = PassOptions(
+            sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy, site_policies=site_policies
+        )
     for name, options in want.items():
         backend = TPBackend(variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options)
         variants[name] = torch.compile(module, backend=backend, dynamic=None)
     return CompiledTP(module, variants, sp_min_tokens, report, num_tokens_fn or default_num_tokens)
+
+
+def _cached_table(module: torch.nn.Module, world_size: int) -> "StrategyTable | None":
+    """The calibration table for a tpweave model (one with a ModelConfig), if one was measured."""
+    from tpweave.models.config import ModelConfig
+    from tpweave.tuning.table import load_table, table_key
+
+    cfg = getattr(module, "config", None)
+    param = next(module.parameters(), None)
+    if not isinstance(cfg, ModelConfig) or param is None or world_size == 1:
+        return None
+    return load_table(table_key(cfg, tp=world_size, dtype=param.dtype))
 
 
 def report(compiled: CompiledTP) -> CompileReport:

@@ -30,6 +30,10 @@ FULL_CONSUMERS = {
     aten._scaled_mm.default,
     tpw.attention.default,
     funcol.all_gather_into_tensor.default,
+    aten.index.Tensor,  # e.g. picking the last token of each sequence for the LM head
+    aten.index_select.default,
+    aten.gather.default,
+    aten.embedding.default,
 }
 
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var_mean.correction, aten.var.correction}

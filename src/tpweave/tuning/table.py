@@ -1,0 +1,115 @@
+"""The measured strategy table: per collective site shape, which strategy wins for which M, and
+from which M the sequence-parallel graph beats the plain TP graph. Cached as JSON, keyed by GPU,
+TP degree, dtype, torch version and the model's site shapes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpweave.compiler.log import logger
+from tpweave.models.config import ModelConfig
+
+TABLE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SiteShape:
+    """kind 'ag_mm': (shard rows, K) gathered, times (K, N); 'mm_rs': (M, K) x (K, N), scattered."""
+
+    kind: str
+    k: int
+    n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.k}x{self.n}"
+
+
+def site_shapes(cfg: ModelConfig, tp: int) -> list[SiteShape]:
+    H, D = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D // tp
+    return [
+        SiteShape("ag_mm", H, qkv),
+        SiteShape("ag_mm", H, 2 * cfg.intermediate_size // tp),
+        SiteShape("ag_mm", H, cfg.vocab_size // tp),
+        SiteShape("mm_rs", cfg.num_heads * D // tp, H),
+        SiteShape("mm_rs", cfg.intermediate_size // tp, H),
+    ]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def table_key(cfg: ModelConfig, *, tp: int, dtype: torch.dtype, device: str | None = None) -> dict[str, Any]:
+    return {
+        "version": TABLE_VERSION,
+        "device": device or device_name(),
+        "tp": tp,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__.split("+")[0],
+        "shapes": sorted({s.name for s in site_shapes(cfg, tp)}),
+    }
+
+
+@dataclass
+class StrategyTable:
+    key: dict[str, Any]
+    policies: dict[str, str] = field(default_factory=dict)  # site shape name -> policy string
+    sp_min_tokens: int = 512
+    measurements: dict[str, Any] = field(default_factory=dict)  # raw medians, for the record
+
+    def policy(self, kind: str, k: int, n: int, default: str = "sequential") -> str:
+        return self.policies.get(SiteShape(kind, k, n).name, default)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StrategyTable":
+        raw = json.loads(text)
+        table = cls(key=raw["key"], policies=dict(raw["policies"]), sp_min_tokens=int(raw["sp_min_tokens"]), measurements=raw.get("measurements", {}))
+        if not all(isinstance(v, str) for v in table.policies.values()) or table.sp_min_tokens < 0:
+            raise ValueError("malformed policies or sp_min_tokens")
+        return table
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TPWEAVE_CACHE_DIR", Path.home() / ".cache" / "tpweave"))
+
+
+def table_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "tables" / f"{key['device'].replace(' ', '_')}-tp{key['tp']}-{key['dtype']}-{digest}.json"
+
+
+def save_table(table: StrategyTable) -> Path:
+    path = table_path(table.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(table.to_json())
+    tmp.replace(path)  # never leave a half-written table behind
+    return path
+
+
+def load_table(key: dict[str, Any]) -> StrategyTable | None:
+    """The cached table for `key`, or None (with one log line saying why and what would help)."""
+    path = table_path(key)
+    if not path.exists():
+        logger.info("no calibration table for %s TP=%s %s: built-in defaults (run `tpweave calibrate` to tune)", key["device"], key["tp"], key["dtype"])
+        return None
+    try:
+        table = StrategyTable.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning("calibration table %s is corrupt (%s): ignored, using built-in defaults; `tpweave calibrate` rebuilds it", path, e)
+        return None
+    if table.key != key:
+        logger.warning("calibration table %s is stale (made for %s): ignored; `tpweave calibrate` rebuilds it", path, table.key)
+        return None
+    return table

@@ -1,0 +1,105 @@
+"""Strategy table, calibration and the layer benchmark on CPU (gloo): the same code the GPU box runs."""
+import json
+import logging
+
+import pytest
+import torch
+
+import tpweave
+from tpweave.cli import main as cli_main
+from tpweave.models import get_preset
+from tpweave.ops.overlap import parse_policy, pick
+from tpweave.tuning.calibrate import NEVER, policy_from_op_rows, sp_min_from_layer_rows
+from tpweave.tuning.table import StrategyTable, load_table, save_table, site_shapes, table_key, table_path
+
+import workers
+
+
+def test_policy_strings():
+    assert parse_policy("sequential") == ((0, "sequential"),)
+    assert parse_policy("symm_mem_fused@512, sequential@0") == ((0, "sequential"), (512, "symm_mem_fused"))
+    x = torch.empty(0)
+    assert pick("sequential@0,symm_mem_fused@512", 100, x, "ag_mm").name == "sequential"
+    # symm_mem_fused needs CUDA: on CPU the op falls back to the sequential strategy
+    assert pick("sequential@0,symm_mem_fused@512", 4096, x, "ag_mm").name == "sequential"
+    assert pick("no_such_strategy@0", 4, x, "mm_rs").name == "sequential"
+
+
+def test_policy_and_boundary_from_measurements():
+    rows = [
+        {"tokens": 1, "arm": "sequential", "ms": 1.0}, {"tokens": 1, "arm": "fast", "ms": 1.5},
+        {"tokens": 512, "arm": "sequential", "ms": 2.0}, {"tokens": 512, "arm": "fast", "ms": 1.99},  # within noise
+        {"tokens": 1024, "arm": "sequential", "ms": 4.0}, {"tokens": 1024, "arm": "fast", "ms": 3.0},
+        {"tokens": 4096, "arm": "sequential", "ms": 9.0}, {"tokens": 4096, "arm": "fast", "ms": 6.0},
+        {"tokens": 4096, "arm": "compute_only", "ms": 1.0},
+    ]
+    assert policy_from_op_rows(rows) == "sequential@0,fast@1024"
+    layers = [
+        {"tokens": 1, "arm": "baseline", "ms_per_layer": 1.0}, {"tokens": 1, "arm": "auto", "ms_per_layer": 1.2},
+        {"tokens": 256, "arm": "baseline", "ms_per_layer": 2.0}, {"tokens": 256, "arm": "auto", "ms_per_layer": 1.9},
+        {"tokens": 512, "arm": "baseline", "ms_per_layer": 3.0}, {"tokens": 512, "arm": "auto", "ms_per_layer": 3.1},
+        {"tokens": 2048, "arm": "baseline", "ms_per_layer": 9.0}, {"tokens": 2048, "arm": "auto", "ms_per_layer": 8.0},
+    ]
+    assert sp_min_from_layer_rows(layers) == 2048  # 256 wins, but 512 loses again: only from 2048 on
+    assert sp_min_from_layer_rows([r | {"ms_per_layer": 5.0} if r["arm"] == "auto" else r for r in layers[:2]]) == NEVER
+
+
+def test_table_cache_roundtrip_corrupt_and_stale(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TPWEAVE_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="tpweave")
+    key = table_key(get_preset("tiny"), tp=2, dtype=torch.float32)
+    assert load_table(key) is None and "run `tpweave calibrate`" in caplog.text
+    table = StrategyTable(key=key, policies={"ag_mm:384x384": "sequential@0,symm_mem_fused@64"}, sp_min_tokens=32)
+    path = save_table(table)
+    assert load_table(key) == table
+    path.write_text(path.read_text()[:40])  # truncated write
+    assert load_table(key) is None and "is corrupt" in caplog.text
+    stale = dict(key, torch="1.0.0")
+    table_path(key).write_text(StrategyTable(key=stale).to_json())
+    assert load_table(key) is None and "is stale" in caplog.text
+
+
+def test_site_shapes_of_llama3_8b():
+    names = {s.name for s in site_shapes(get_preset("llama3-8b"), 2)}
+    assert names == {"ag_mm:4096x3072", "ag_mm:4096x14336", "ag_mm:4096x64128", "mm_rs:2048x4096", "mm_rs:7168x4096"}
+
+
+def test_compile_follows_the_table():
+    cfg = get_preset("tiny")
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
+    table = StrategyTable(key={}, policies={f"ag_mm:{cfg.hidden_size}x{qkv}": "sequential@0,symm_mem_fused@8"}, sp_min_tokens=8)
+    counts = [3, 8, 40]
+    out = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, ("float32",), {"table": table}, nprocs=2)[0]
+    graphs = out[("float32", "graphs")]
+    assert [g[0] for g in graphs] == ["plain", "sp"]  # M=3 < 8 ran the plain graph, 8 and 40 the SP graph
+    fused = [s for s in graphs[1][3] if s[0] == "all_gather+matmul"]
+    assert sum("'sequential@0,symm_mem_fused@8'" in s[2] for s in fused) == cfg.num_layers  # the qkv sites
+    assert sum("'sequential'" in s[2] for s in fused) == cfg.num_layers + 1  # gate_up and LM head: default
+    for m in counts:
+        torch.testing.assert_close(out[("float32", m, "compiled")], out[("float32", m, "eager")], atol=1e-4, rtol=1e-4)
+
+
+def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TPWEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    common = ["--model", "tiny", "--tp", "2", "--dtype", "float32", "--layers", "1", "--reps", "2", "--inner", "1", "--warmup", "1"]
+    assert cli_main(["calibrate", *common, "--tokens", "3,32"]) == 0
+    table = load_table(table_key(get_preset("tiny"), tp=2, dtype=torch.float32))
+    assert table is not None and set(table.policies) == {s.name for s in site_shapes(get_preset("tiny"), 2)}
+    assert table.measurements["ops"] and table.measurements["layers"]
+    assert table.sp_min_tokens in (3, 32, NEVER)
+    assert cli_main(["bench", "layer", *common, "--tokens", "5,17", "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "layer-tiny-tp2-float32.json").read_text())
+    assert result["meta"]["calibrated"] is True and result["meta"]["tp"] == 2
+    layer_rows = [r for r in result["rows"] if r["what"] == "layer"]
+    assert {(r["tokens"], r["arm"]) for r in layer_rows} == {(m, a) for m in (5, 17) for a in ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")}
+    assert all(r["ms_per_layer"] > 0 for r in layer_rows)
+    assert {r["site"] for r in result["rows"] if r["what"] == "op"} == {s.name for s in site_shapes(get_preset("tiny"), 2)}
+    md = (tmp_path / "out" / "layer-tiny-tp2-float32.md").read_text()
+    assert "## Decoder layer" in md and "compute_only" in md and "## Overlapped ops" in md
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    assert cli_main(["bench", "layer", "--model", "tiny", "--tp", "5"]) == 2
+    assert "TP=5 does not divide" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "layer", "--tokens", "0,4"])
