@@ -13,10 +13,13 @@ import torch
 
 
 def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    import os
+
+    commit = os.environ.get("TPWEAVE_COMMIT", "")  # set where the tree has no .git (the GPU box's copy)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        pass
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
