@@ -58,6 +58,8 @@ def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layer
     compute_model = build_model(cfg, tp=no_comm, dtype=dtype)
     stack, compute_stack = LayerStack(tp_model.model.layers), LayerStack(compute_model.model.layers)
     fused = "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(torch.empty(0, device=ctx.device)) else "sequential"
+    if ctx.device.type == "cuda" and fused != "symm_mem_fused":
+        raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     variants = {
         "baseline": tpweave.compile(stack, sp=False),
         "sp_seq": tpweave.compile(stack, sp=True, sp_min_tokens=0, async_tp=False),

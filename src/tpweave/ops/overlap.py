@@ -51,8 +51,17 @@ def pick(policy: str, num_tokens: int, x: Tensor, kind: str) -> Strategy:
             chosen = name
     strategy = STRATEGIES.get(chosen)
     if strategy is None or getattr(strategy, kind) is None or not strategy.available(x):
+        if x.is_cuda:
+            _warn_fallback(chosen, kind)  # on GPU a silent fallback would fake a benchmark arm
         strategy = STRATEGIES["sequential"]
     return strategy
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(name: str, kind: str) -> None:
+    from tpweave.compiler.log import logger
+
+    logger.warning("strategy %r cannot run %s here: using 'sequential'", name, kind)
 
 
 @torch.library.custom_op("tpweave::ag_mm", mutates_args=())

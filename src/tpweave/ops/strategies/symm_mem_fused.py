@@ -20,8 +20,17 @@ def _enable(group_name: str) -> None:
     enable_symm_mem_for_group(group_name)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_fused_ops() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem.*)
+    except ImportError:
+        return False
+    return hasattr(torch.ops.symm_mem, "fused_all_gather_matmul") and hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter")
+
+
 def _available(x: torch.Tensor) -> bool:
-    return x.is_cuda and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
+    return x.is_cuda and _has_fused_ops()
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
