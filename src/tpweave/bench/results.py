@@ -61,5 +61,10 @@ def write_results(out_dir: str | Path, name: str, meta: dict[str, Any], rows: li
         parts += ["## Decoder layer", "", markdown_table(layer_rows, LAYER_COLUMNS), ""]
     if op_rows:
         parts += ["## Overlapped ops", "", markdown_table(op_rows, OP_COLUMNS), ""]
+    from tpweave.bench.plots import plot_layer_speedup
+
+    png = plot_layer_speedup(rows, f"{meta.get('model', '')} TP={meta.get('tp', '')} {meta.get('dtype', '')} on {meta.get('device', '')}", out / f"{name}.png")
+    if png is not None:
+        parts[1:1] = ["", f"![speedup per arm]({png.name})", ""]
     md_path.write_text("\n".join(parts))
     return json_path, md_path
