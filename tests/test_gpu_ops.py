@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu(gpus=1)
 def test_every_strategy_matches_sequential():
     counts = [1, 7, 512, 4096]
     out = tpweave.launch(workers.gpu_strategy_outputs, counts, 4096, 6144, nprocs=GPU_RANKS, backend="nccl")
-    names = {name for name, _ in out[0] if isinstance(name, str)}
-    assert "symm_mem_fused" in names
+    names = {key[0] for key in out[0] if len(key) == 2}
+    reducers = {key[0] for key in out[0] if len(key) == 3} - {"nccl"}
+    assert "symm_mem_fused" in names and {"sequential", "symm_mem_one_shot", "symm_mem_two_shot"} <= reducers
     for rank_out in out:
         for m in counts:
             ref = rank_out[("sequential", m)]
@@ -24,6 +25,9 @@ def test_every_strategy_matches_sequential():
             for name in names:
                 for got, want in zip(rank_out[(name, m)], ref):
                     torch.testing.assert_close(got, want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
+            want = rank_out[("nccl", m, "all_reduce")]
+            for name in reducers:
+                torch.testing.assert_close(rank_out[(name, m, "all_reduce")], want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
 
 
 def test_piecewise_cudagraphs_after_rewrite():

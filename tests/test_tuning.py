@@ -61,17 +61,24 @@ def test_table_cache_roundtrip_corrupt_and_stale(tmp_path, monkeypatch, caplog):
 
 def test_site_shapes_of_llama3_8b():
     names = {s.name for s in site_shapes(get_preset("llama3-8b"), 2)}
-    assert names == {"ag_mm:4096x3072", "ag_mm:4096x14336", "ag_mm:4096x64128", "mm_rs:2048x4096", "mm_rs:7168x4096"}
+    assert names == {"ag_mm:4096x3072", "ag_mm:4096x14336", "ag_mm:4096x64128", "mm_rs:2048x4096", "mm_rs:7168x4096", "all_reduce:4096x4096"}
 
 
 def test_compile_follows_the_table():
     cfg = get_preset("tiny")
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
-    table = StrategyTable(key={}, policies={f"ag_mm:{cfg.hidden_size}x{qkv}": "sequential@0,symm_mem_fused@8"}, sp_min_tokens=8)
+    ar_policy = "sequential@0,symm_mem_one_shot@1"  # on CPU the op runs it as 'sequential'
+    table = StrategyTable(
+        key={},
+        policies={f"ag_mm:{cfg.hidden_size}x{qkv}": "sequential@0,symm_mem_fused@8", f"all_reduce:{cfg.hidden_size}x{cfg.hidden_size}": ar_policy},
+        sp_min_tokens=8,
+    )
     counts = [3, 8, 40]
     out = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, ("float32",), {"table": table}, nprocs=2)[0]
     graphs = out[("float32", "graphs")]
     assert [g[0] for g in graphs] == ["plain", "sp"]  # M=3 < 8 ran the plain graph, 8 and 40 the SP graph
+    assert graphs[0][2] == {"all_reduce_routed": 2 * cfg.num_layers + 1, "all_gather_into_tensor": 1}
+    assert all(s[1:] == ("routed", f"tpweave::all_reduce, policy {ar_policy!r}") for s in graphs[0][3])
     fused = [s for s in graphs[1][3] if s[0] == "all_gather+matmul"]
     assert sum("'sequential@0,symm_mem_fused@8'" in s[2] for s in fused) == cfg.num_layers  # the qkv sites
     assert sum("'sequential'" in s[2] for s in fused) == cfg.num_layers + 1  # gate_up and LM head: default

@@ -228,8 +228,12 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
         w = torch.randn(n, k, device=ctx.device, dtype=dtype, generator=gen).t() * k**-0.5
         a = torch.randn(m, n, device=ctx.device, dtype=dtype, generator=gen) + ctx.rank
         w2 = torch.randn(k, n, device=ctx.device, dtype=dtype, generator=gen).t() * n**-0.5
-        for name in STRATEGIES:
-            ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, None], [m], ctx.group_name, ctx.world_size, name)
-            rs = torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, ctx.world_size, name)
-            out[(name, m)] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
+        for name, strategy in STRATEGIES.items():
+            if strategy.ag_mm is not None:
+                ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, None], [m], ctx.group_name, ctx.world_size, name)
+                rs = torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, ctx.world_size, name)
+                out[(name, m)] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
+            if strategy.all_reduce is not None:
+                out[(name, m, "all_reduce")] = torch.ops.tpweave.all_reduce(a, ctx.group_name, ctx.world_size, name).float().cpu()
+        out[("nccl", m, "all_reduce")] = collectives.all_reduce(a.clone(), ctx.group_name).float().cpu()
     return out

@@ -102,10 +102,10 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
     dtype = DTYPES[dtype_name]
     cfg = get_preset(model)
     sites = sites or site_shapes(cfg, ctx.world_size)
-    probe = torch.empty(0, device=ctx.device)
-    names = [n for n, s in STRATEGIES.items() if s.available(probe)]
+    probe = torch.empty(0, device=ctx.device, dtype=dtype)
     rows = []
     for site in _progress(sites, ctx, "ops"):
+        names = [n for n, s in STRATEGIES.items() if getattr(s, site.kind) is not None and s.available(probe)]
         w = (torch.randn(site.n, site.k, device=ctx.device, dtype=dtype) * site.k**-0.5).t()
         for m in tokens:
             rows_local = -(-m // ctx.world_size)
@@ -116,12 +116,17 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
                     n: (lambda n=n: torch.ops.tpweave.ag_mm(x, [w], [None], [m], ctx.group_name, ctx.world_size, n))
                     for n in names
                 }
-            else:
+            elif site.kind == "mm_rs":
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
                 fns = {n: (lambda n=n: torch.ops.tpweave.mm_rs(a_full, w, ctx.group_name, ctx.world_size, n)) for n in names}
-            fns["compute_only"] = lambda: a_full @ w
+            else:
+                a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
+                fns = {n: (lambda n=n: torch.ops.tpweave.all_reduce(a_full, ctx.group_name, ctx.world_size, n)) for n in names}
+            if site.kind != "all_reduce":  # an all-reduce has no compute to hide behind
+                fns["compute_only"] = lambda: a_full @ w
             timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup, inner=settings.inner)
-            seq, comp = timings["sequential"].median_ms, timings["compute_only"].median_ms
+            seq = timings["sequential"].median_ms
+            comp = timings["compute_only"].median_ms if "compute_only" in timings else seq
             for name, t in timings.items():
                 rows.append({
                     "what": "op", "site": site.name, "tokens": m, "arm": name, "ms": t.median_ms,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from tpweave.compiler import async_tp, sequence_parallel
+from tpweave.compiler import allreduce, async_tp, sequence_parallel
 from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
 from tpweave.compiler.graph_utils import count_collectives
 from tpweave.compiler.log import logger
@@ -39,10 +39,11 @@ class PassOptions:
     async_tp: bool
     ag_mm_policy: str = "sequential"  # default for sites the table does not list
     mm_rs_policy: str = "sequential"
+    all_reduce_policy: str = "sequential"
     site_policies: tuple[tuple[str, str], ...] = ()  # ("ag_mm:4096x3072", policy), from the table
 
     def policy(self, kind: str, k: int, n: int) -> str:
-        default = self.ag_mm_policy if kind == "ag_mm" else self.mm_rs_policy
+        default = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy}.get(kind, self.all_reduce_policy)
         return dict(self.site_policies).get(f"{kind}:{k}x{n}", default)
 
 
@@ -71,15 +72,13 @@ class TPWeavePass(CustomGraphPass):
                 async_tp.fuse_matmul_reduce_scatters(graph, policy_for=self.options.policy, report=self.report)
                 logger.debug("[%s] graph after async_tp:\n%s", self.report.variant, graph)
         else:
-            for node in graph.nodes:
-                if node.target is torch.ops._c10d_functional.all_reduce.default:
-                    self.report.add("all_reduce", node, "left alone", "plain TP variant")
+            allreduce.route_all_reduces(graph, self.sp_cfg, policy_for=self.options.policy, report=self.report)
         graph.lint()
         self.report.counts_after = count_collectives(graph)
 
     def uuid(self) -> bytes:
         h = hashlib.sha256()
-        for mod in (sequence_parallel, async_tp):
+        for mod in (sequence_parallel, async_tp, allreduce):
             h.update(inspect.getsource(mod).encode())
         h.update(repr((asdict(self.sp_cfg), asdict(self.options))).encode())
         return h.digest()
@@ -171,6 +170,7 @@ def compile(
     table: "StrategyTable | str | None" = "auto",
     ag_mm_policy: str = "sequential",
     mm_rs_policy: str = "sequential",
+    all_reduce_policy: str = "sequential",
     cudagraphs: bool = False,
     piecewise: bool = False,
     num_tokens_fn: Callable[[tuple], int] | None = None,
@@ -206,7 +206,7 @@ def compile(
         sp = sp_cfg.world_size > 1  # with one rank SP only adds copies; sp=True still forces it (tests)
     report = CompileReport(sp_min_tokens=sp_min_tokens if sp else None)
     variants: dict[str, Callable] = {}
-    want = {"plain": PassOptions(sp=False, async_tp=False)}
+    want = {"plain": PassOptions(sp=False, async_tp=False, all_reduce_policy=all_reduce_policy, site_policies=site_policies)}
     if sp:
         want["sp"] = PassOptions(
             sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy, site_policies=site_policies

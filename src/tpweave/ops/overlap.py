@@ -1,4 +1,5 @@
-"""The async-TP ops: all-gather + matmul(s) and matmul + reduce-scatter, one node each in the graph.
+"""The strategy-dispatched ops: all-gather + matmul(s), matmul + reduce-scatter and all-reduce, one
+node each in the graph.
 
 Which implementation (strategy) runs is decided at run time from the token count M and a `policy`
 string baked into the graph: "name" or "name@m0,name2@m1,..." meaning name2 from M >= m1 on, etc.
@@ -23,6 +24,7 @@ class Strategy:
     name: str
     ag_mm: Callable[..., list[Tensor]] | None = None
     mm_rs: Callable[..., Tensor] | None = None
+    all_reduce: Callable[..., Tensor] | None = None
     available: Callable[[Tensor], bool] = lambda x: True
 
 
@@ -99,5 +101,18 @@ def _(a, weight, group_name, world_size, policy):
     return a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[1])
 
 
+@torch.library.custom_op("tpweave::all_reduce", mutates_args=())
+def all_reduce(x: Tensor, group_name: str, world_size: int, policy: str) -> Tensor:
+    """Sum over ranks (the plain TP graph's collective), strategy picked from M = rows of x."""
+    num_tokens = math.prod(x.shape[:-1])
+    return pick(policy, num_tokens, x, "all_reduce").all_reduce(x, group_name, world_size)
+
+
+@all_reduce.register_fake
+def _(x, group_name, world_size, policy):
+    return torch.empty_like(x)
+
+
 from tpweave.ops.strategies import sequential as _sequential  # noqa: E402,F401  (registers)
+from tpweave.ops.strategies import symm_mem_allreduce as _symm_mem_allreduce  # noqa: E402,F401
 from tpweave.ops.strategies import symm_mem_fused as _symm_mem_fused  # noqa: E402,F401

@@ -20,7 +20,8 @@ TABLE_VERSION = 1
 
 @dataclass(frozen=True)
 class SiteShape:
-    """kind 'ag_mm': (shard rows, K) gathered, times (K, N); 'mm_rs': (M, K) x (K, N), scattered."""
+    """kind 'ag_mm': (shard rows, K) gathered, times (K, N); 'mm_rs': (M, K) x (K, N), scattered;
+    'all_reduce': (M, K) summed over ranks (n == k)."""
 
     kind: str
     k: int
@@ -40,6 +41,7 @@ def site_shapes(cfg: ModelConfig, tp: int) -> list[SiteShape]:
         SiteShape("ag_mm", H, cfg.vocab_size // tp),
         SiteShape("mm_rs", cfg.num_heads * D // tp, H),
         SiteShape("mm_rs", cfg.intermediate_size // tp, H),
+        SiteShape("all_reduce", H, H),
     ]
 
 

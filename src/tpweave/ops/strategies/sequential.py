@@ -1,4 +1,5 @@
-"""Sequential: the collective, then the matmul(s). Runs everywhere (CPU/gloo included): the reference."""
+"""Sequential: the collective, then the matmul(s); all-reduce through the process group's backend
+(NCCL on GPUs). Runs everywhere (CPU/gloo included): the reference."""
 from __future__ import annotations
 
 import torch
@@ -17,4 +18,10 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.tpweave.reduce_scatter_tokens(a @ weight, 1, group_name, world_size)
 
 
-SEQUENTIAL = register(Strategy("sequential", ag_mm=ag_mm, mm_rs=mm_rs))
+def all_reduce(x, group_name, world_size):
+    from tpweave.ops.collectives import all_reduce as funcol_all_reduce
+
+    return funcol_all_reduce(x, group_name)
+
+
+SEQUENTIAL = register(Strategy("sequential", ag_mm=ag_mm, mm_rs=mm_rs, all_reduce=all_reduce))

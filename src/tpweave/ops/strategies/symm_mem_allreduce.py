@@ -1,0 +1,39 @@
+"""All-reduce over symmetric memory with NVLink peer loads (torch's one-shot / two-shot kernels).
+
+CUDA only, bf16/fp32, no multicast. The input is staged into a symmetric buffer first; one-shot
+reads every peer's whole buffer (latency-bound sizes), two-shot reduces 1/TP per rank and gathers.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tpweave.ops import symm_buffers
+from tpweave.ops.overlap import Strategy, register
+
+
+@functools.lru_cache(maxsize=None)
+def _has_ops() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(torch.ops.symm_mem, "one_shot_all_reduce") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+
+
+def _available(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and _has_ops()
+
+
+def one_shot(x, group_name, world_size):
+    return torch.ops.symm_mem.one_shot_all_reduce(symm_buffers.staged(x.contiguous(), group_name), "sum", group_name)
+
+
+def two_shot(x, group_name, world_size):
+    staged = symm_buffers.staged(x.contiguous(), group_name)
+    return torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, torch.empty_like(staged))
+
+
+ONE_SHOT = register(Strategy("symm_mem_one_shot", all_reduce=one_shot, available=_available))
+TWO_SHOT = register(Strategy("symm_mem_two_shot", all_reduce=two_shot, available=_available))

@@ -1,0 +1,36 @@
+"""Symmetric-memory staging buffers, one per (group, dtype, device), grown before CUDA graph capture.
+
+Like NCCL communicators these are process-wide resources: a buffer must exist (rendezvoused on
+every rank) before a graph that uses it is captured, since capture cannot allocate or rendezvous.
+`reserve` sizes them for the largest M up front; growing during capture raises a clear error.
+"""
+from __future__ import annotations
+
+import torch
+
+_BUFFERS: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    key = (group_name, dtype, torch.device(device))
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"symmetric buffer for group {group_name} holds {0 if buf is None else buf.numel()} elements, {numel} needed "
+                "during CUDA graph capture: run the largest M once (or call tpweave.ops.symm_buffers.reserve) before capturing"
+            )
+        buf = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, group_name)
+        _BUFFERS[key] = buf
+    return buf
+
+
+def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """x copied into the symmetric buffer (a view of its first x.numel() elements, shaped like x)."""
+    buf = reserve(group_name, x.numel(), x.dtype, x.device)
+    view = buf[: x.numel()].view(x.shape)
+    view.copy_(x)
+    return view
