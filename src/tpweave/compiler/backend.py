@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # Without a calibration table, SP is used from this many tokens on: on 2x H200 (llama3-8b, TP=2,
 # sequential collectives) a whole layer with SP was 0.92x the plain graph at M=512 and 1.007x at 2048
-# (benchmarks/results/2026-11-30-layer-llama3-8b-tp2-uncalibrated.md).
+# (benchmarks/results/2026-11-30-layer-llama3-8b-tp2.md: sp_seq arm).
 DEFAULT_SP_MIN_TOKENS = 2048
 ATTENTION_OPS = ("tpweave::attention",)
 
