@@ -26,10 +26,12 @@ from tpweave.compiler.sequence_parallel import SPConfig
 if TYPE_CHECKING:
     from tpweave.tuning.table import StrategyTable
 
-# Without a calibration table, SP is used from this many tokens on: on 2x H200 (llama3-8b, TP=2,
-# sequential collectives) a whole layer with SP was 0.92x the plain graph at M=512 and 1.007x at 2048
-# (benchmarks/results/2026-11-30-layer-llama3-8b-tp2.md: sp_seq arm).
+# Without a calibration table: SP from M >= 2048 with torch's fused ops there (CUDA; sequential
+# elsewhere). On 2x H200, TP=2, that arm was 1.03-1.07x (llama3-8b) and 1.04-1.05x (llama3-70b) the
+# plain graph at M = 2048..8192 and 0.88-0.94x at 512-1024, while SP with sequential collectives lost
+# at every M (0.81-0.98x): benchmarks/results/2026-11-30-layer-llama3-*-tp2.md, sp_fused / sp_seq arms.
 DEFAULT_SP_MIN_TOKENS = 2048
+DEFAULT_OVERLAP_POLICY = "sequential@0,symm_mem_fused@2048"
 ATTENTION_OPS = ("tpweave::attention",)
 
 
@@ -168,8 +170,8 @@ def compile(
     async_tp: bool = True,
     sp_min_tokens: int | None = None,
     table: "StrategyTable | str | None" = "auto",
-    ag_mm_policy: str = "sequential",
-    mm_rs_policy: str = "sequential",
+    ag_mm_policy: str = DEFAULT_OVERLAP_POLICY,
+    mm_rs_policy: str = DEFAULT_OVERLAP_POLICY,
     all_reduce_policy: str = "sequential",
     cudagraphs: bool = False,
     piecewise: bool = False,
