@@ -81,7 +81,8 @@ def test_compile_follows_the_table():
     assert all(s[1:] == ("routed", f"tpweave::all_reduce, policy {ar_policy!r}") for s in graphs[0][3])
     fused = [s for s in graphs[1][3] if s[0] == "all_gather+matmul"]
     assert sum("'sequential@0,symm_mem_fused@8'" in s[2] for s in fused) == cfg.num_layers  # the qkv sites
-    assert sum("'sequential'" in s[2] for s in fused) == cfg.num_layers + 1  # gate_up and LM head: default
+    default = tpweave.compiler.DEFAULT_OVERLAP_POLICY
+    assert sum(f"{default!r}" in s[2] for s in fused) == cfg.num_layers + 1  # gate_up and LM head: the default
     for m in counts:
         torch.testing.assert_close(out[("float32", m, "compiled")], out[("float32", m, "eager")], atol=1e-4, rtol=1e-4)
 
