@@ -153,3 +153,23 @@ def test_gpu_llama3_8b_sp_async_tp_matches_plain(cudagraphs):
             sp, plain = rank_out[("sp", m)], rank_out[("plain", m)]
             scale = plain.abs().max().item()
             assert (sp - plain).abs().max().item() <= 3e-2 * max(1.0, scale), (m, (sp - plain).abs().max().item(), scale)
+
+
+def test_other_model_styles():
+    """Post-norm, parallel attention+MLP (one all-reduce of a sum), Gemma-like (1 + w) fp32 norm with a
+    scaled embedding, vLLM-style fused residual with a last-token head and two outputs, funcol all_reduce."""
+    from style_models import STYLES
+
+    counts = [1, 2, 5, 33]
+    reference = tpweave.launch(workers.style_outputs, STYLES, counts, False, nprocs=1)[0]
+    results = tpweave.launch(workers.style_outputs, STYLES, counts, nprocs=3)
+    for rank_out in results:
+        for style in STYLES:
+            eager, compiled, (num_compiles, graphs, text) = rank_out[style]
+            assert num_compiles == 1, (style, text)
+            [(before, after)] = graphs
+            assert "all_reduce" not in after and before["all_reduce"] == after.get("mm_rs", 0) + after.get("reduce_scatter_tokens", 0)
+            for got_outs, eager_outs, ref_outs in zip(compiled, eager, reference[style][0]):
+                for got, want, ref in zip(got_outs, eager_outs, ref_outs):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
+                    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)

@@ -237,3 +237,25 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
                 out[(name, m, "all_reduce")] = torch.ops.tpweave.all_reduce(a, ctx.group_name, ctx.world_size, name).float().cpu()
         out[("nccl", m, "all_reduce")] = collectives.all_reduce(a.clone(), ctx.group_name).float().cpu()
     return out
+
+
+@torch.no_grad()
+def style_outputs(ctx, styles, token_counts, compile_model=True):
+    """{style: ([eager outputs], [compiled outputs], report)} for tests/style_models.StyleModel."""
+    import tpweave
+    from style_models import V, StyleModel
+
+    results = {}
+    for style in styles:
+        model = StyleModel(ctx.rank, ctx.world_size, style)
+        inputs = [torch.randint(0, V, (m,), generator=torch.Generator().manual_seed(m)) for m in token_counts]
+        flat = lambda o: [t.clone() for t in (o if isinstance(o, tuple) else (o,))]  # noqa: E731
+        eager = [flat(model(ids)) for ids in inputs]
+        compiled_out, rep = None, None
+        if compile_model:
+            compiled = tpweave.compile(model, sp_min_tokens=0)
+            compiled_out = [flat(compiled(ids)) for ids in inputs]
+            rep = tpweave.report(compiled)
+            rep = (rep.num_compiles, [(g.counts_before, g.counts_after) for g in rep.graphs], str(rep))
+        results[style] = (eager, compiled_out, rep)
+    return results
