@@ -111,3 +111,17 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "TP=5 does not divide" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["bench", "layer", "--tokens", "0,4"])
+
+
+def test_strategies_with_symmetric_state_are_kept_out_of_inductor_cudagraphs():
+    """On 2x H200, torch's fused ops inside Inductor's CUDA graph trees failed ('tensors in the
+    cudagraph pool not tracked'): with cudagraphs=True such strategies become 'sequential'."""
+    from tpweave.compiler.backend import PassOptions
+
+    table_policies = (("all_reduce:8x8", "symm_mem_one_shot@0,sequential@512"),)
+    trees = PassOptions(sp=True, async_tp=True, ag_mm_policy="sequential@0,symm_mem_fused@2048", site_policies=table_policies, cudagraph_trees=True)
+    assert trees.policy("ag_mm", 4, 4) == "sequential@0,sequential@2048"
+    assert trees.policy("all_reduce", 8, 8) == "sequential@0,sequential@512"
+    plain = PassOptions(sp=True, async_tp=True, ag_mm_policy="sequential@0,symm_mem_fused@2048", site_policies=table_policies)
+    assert plain.policy("ag_mm", 4, 4) == "sequential@0,symm_mem_fused@2048"
+    assert plain.policy("all_reduce", 8, 8) == "symm_mem_one_shot@0,sequential@512"

@@ -22,6 +22,7 @@ from tpweave.compiler.graph_utils import count_collectives
 from tpweave.compiler.log import logger
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
+from tpweave.ops.overlap import without_unsafe_under_cudagraph_trees
 
 if TYPE_CHECKING:
     from tpweave.tuning.table import StrategyTable
@@ -43,10 +44,12 @@ class PassOptions:
     mm_rs_policy: str = "sequential"
     all_reduce_policy: str = "sequential"
     site_policies: tuple[tuple[str, str], ...] = ()  # ("ag_mm:4096x3072", policy), from the table
+    cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
 
     def policy(self, kind: str, k: int, n: int) -> str:
         default = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy}.get(kind, self.all_reduce_policy)
-        return dict(self.site_policies).get(f"{kind}:{k}x{n}", default)
+        policy = dict(self.site_policies).get(f"{kind}:{k}x{n}", default)
+        return without_unsafe_under_cudagraph_trees(policy) if self.cudagraph_trees else policy
 
 
 class TPWeavePass(CustomGraphPass):
@@ -208,10 +211,15 @@ def compile(
         sp = sp_cfg.world_size > 1  # with one rank SP only adds copies; sp=True still forces it (tests)
     report = CompileReport(sp_min_tokens=sp_min_tokens if sp else None)
     variants: dict[str, Callable] = {}
-    want = {"plain": PassOptions(sp=False, async_tp=False, all_reduce_policy=all_reduce_policy, site_policies=site_policies)}
+    want = {
+        "plain": PassOptions(
+            sp=False, async_tp=False, all_reduce_policy=all_reduce_policy, site_policies=site_policies, cudagraph_trees=cudagraphs
+        )
+    }
     if sp:
         want["sp"] = PassOptions(
-            sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy, site_policies=site_policies
+            sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy, site_policies=site_policies,
+            cudagraph_trees=cudagraphs,
         )
     for name, options in want.items():
         backend = TPBackend(variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options)

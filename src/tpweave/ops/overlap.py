@@ -26,6 +26,9 @@ class Strategy:
     mm_rs: Callable[..., Tensor] | None = None
     all_reduce: Callable[..., Tensor] | None = None
     available: Callable[[Tensor], bool] = lambda x: True
+    # False: keeps symmetric-memory state that Inductor's CUDA graph trees would allocate inside their
+    # pool on the first (recording) call and then reject ("tensors in the cudagraph pool not tracked").
+    cudagraph_trees_safe: bool = True
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -44,6 +47,13 @@ def parse_policy(policy: str) -> tuple[tuple[int, str], ...]:
         name, _, start = part.strip().partition("@")
         steps.append((int(start or 0), name))
     return tuple(sorted(steps))
+
+
+def without_unsafe_under_cudagraph_trees(policy: str) -> str:
+    """The policy with every strategy that cannot run inside Inductor's CUDA graph trees replaced by
+    'sequential' (tpweave's own capture, bench/timing.py, warms up outside the pool and can run them)."""
+    steps = [(m, n if STRATEGIES.get(n, STRATEGIES["sequential"]).cudagraph_trees_safe else "sequential") for m, n in parse_policy(policy)]
+    return ",".join(f"{n}@{m}" for m, n in steps)
 
 
 def pick(policy: str, num_tokens: int, x: Tensor, kind: str) -> Strategy:

@@ -51,4 +51,4 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, weight, "sum", 0, group_name)
 
 
-SYMM_MEM_FUSED = register(Strategy("symm_mem_fused", ag_mm=ag_mm, mm_rs=mm_rs, available=_available))
+SYMM_MEM_FUSED = register(Strategy("symm_mem_fused", ag_mm=ag_mm, mm_rs=mm_rs, available=_available, cudagraph_trees_safe=False))
