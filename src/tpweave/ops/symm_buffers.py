@@ -6,6 +6,8 @@ every rank) before a graph that uses it is captured, since capture cannot alloca
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _BUFFERS: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
@@ -34,3 +36,13 @@ def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:
     view = buf[: x.numel()].view(x.shape)
     view.copy_(x)
     return view
+
+
+@functools.lru_cache(maxsize=None)
+def has_symm_mem_ops(*names: str) -> bool:
+    """Whether torch.ops.symm_mem has all of `names` (importing the module that registers them)."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(torch.ops.symm_mem, n) for n in names)

@@ -5,25 +5,14 @@ reads every peer's whole buffer (latency-bound sizes), two-shot reduces 1/TP per
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from tpweave.ops import symm_buffers
 from tpweave.ops.overlap import Strategy, register
 
 
-@functools.lru_cache(maxsize=None)
-def _has_ops() -> bool:
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(torch.ops.symm_mem, "one_shot_all_reduce") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
-
-
 def _available(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and _has_ops()
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and symm_buffers.has_symm_mem_ops("one_shot_all_reduce", "two_shot_all_reduce_out")
 
 
 def one_shot(x, group_name, world_size):

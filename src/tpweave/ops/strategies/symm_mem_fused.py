@@ -10,6 +10,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tpweave.ops import symm_buffers
 from tpweave.ops.overlap import Strategy, register
 
 
@@ -20,17 +21,8 @@ def _enable(group_name: str) -> None:
     enable_symm_mem_for_group(group_name)
 
 
-@functools.lru_cache(maxsize=None)
-def _has_fused_ops() -> bool:
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem.*)
-    except ImportError:
-        return False
-    return hasattr(torch.ops.symm_mem, "fused_all_gather_matmul") and hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter")
-
-
 def _available(x: torch.Tensor) -> bool:
-    return x.is_cuda and _has_fused_ops()
+    return x.is_cuda and symm_buffers.has_symm_mem_ops("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
