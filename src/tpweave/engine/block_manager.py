@@ -1,0 +1,51 @@
+"""Paged KV-cache blocks: a free list and reference counts."""
+from __future__ import annotations
+
+from collections import deque
+
+from tpweave.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, *, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so that the first `num_tokens` tokens of `seq` have KV slots."""
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.extra_blocks_needed(seq, num_tokens) <= self.num_free
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.extra_blocks_needed(seq, num_tokens)
+        if need > self.num_free:
+            raise AssertionError(f"seq {seq.seq_id} needs {need} blocks, {self.num_free} free: check can_grow first")
+        for _ in range(need):
+            block = self.free_blocks.popleft()
+            assert self.ref_counts[block] == 0
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)
+        seq.block_table = []
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Flat index of the KV slot of token `position` of `seq` in the page pool."""
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -1,0 +1,141 @@
+"""Continuous batching with chunked prefill under a token budget, decodes and prefill chunks mixed in
+one step, and preemption by recompute when KV blocks run out. Every request ends finished or failed
+with its error; none is lost and the loop cannot stall."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tpweave.engine.block_manager import BlockManager
+from tpweave.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # position of the first token computed in this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token: a next token is sampled from its last row."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or raise ValueError naming what is wrong with it (nothing is queued then)."""
+        n = len(seq.prompt_token_ids)
+        if n == 0:
+            raise ValueError("empty prompt: a request needs at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} (room for one new token is needed)")
+        seq.params.validate()
+        if self.blocks.blocks_for(n + 1) > self.blocks.num_blocks:
+            raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks} x {self.blocks.block_size})")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0  # recompute: its KV is rebuilt from the tokens it has
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        # Running sequences first, oldest first: decodes and the next chunks of their prefills.
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                if len(self.running) == 1:
+                    # It holds the whole cache and still needs more: it can never finish.
+                    self.running.remove(seq)
+                    self._fail(seq, f"needs more KV blocks than the cache holds ({seq.num_tokens} tokens)")
+                    out.failed.append(seq)
+                    break
+                victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
+                victim = victims[-1] if victims else seq  # the newest one gives its blocks back
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        # Then new (or preempted) requests, first come first served, chunked to the budget.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        if not out.chunks and self.waiting and not self.running:
+            # Alone with the whole cache and still no room: this request can never run.
+            seq = self.waiting.popleft()
+            self._fail(seq, f"needs more KV blocks than the cache holds ({seq.num_tokens} tokens)")
+            out.failed.append(seq)
+        return out
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self.blocks.free(seq)
+        seq.status, seq.error = SequenceStatus.FAILED, error
+
+    def postprocess(self, out: SchedulerOutput, next_tokens: dict[int, int]) -> list[Sequence]:
+        """Advance every scheduled chunk; append the sampled token where one was sampled; return the
+        sequences that finished in this step."""
+        finished = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            seq.output_token_ids.append(next_tokens[seq.seq_id])
+            reason = None
+            if seq.output_token_ids[-1] in seq.params.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                self.blocks.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished

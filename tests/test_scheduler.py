@@ -1,0 +1,113 @@
+"""Block manager and scheduler without a model: a deterministic fake 'model' picks each next token
+from the whole token history, so any schedule (chunks, mixing, preemption) must give the same text."""
+import random
+
+import pytest
+
+from tpweave.engine import BlockManager, SamplingParams, Scheduler, Sequence, SequenceStatus
+
+VOCAB = 97
+
+
+def fake_next_token(tokens):
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) + len(tokens)) % VOCAB
+
+
+def reference_output(prompt, params):
+    tokens, out = list(prompt), []
+    while True:
+        out.append(fake_next_token(tokens))
+        tokens.append(out[-1])
+        if out[-1] in params.stop_token_ids or len(out) >= params.max_tokens:
+            return out
+
+
+def run(scheduler, seqs, *, max_steps=10_000):
+    stats = {"steps": 0, "mixed": 0, "preempted": 0, "max_tokens": 0}
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        stats["steps"] += 1
+        assert stats["steps"] < max_steps, "scheduler stalled"
+        assert out.num_tokens <= scheduler.max_num_batched_tokens
+        stats["max_tokens"] = max(stats["max_tokens"], out.num_tokens)
+        kinds = {c.seq.in_prefill for c in out.chunks}
+        stats["mixed"] += len(kinds) == 2
+        stats["preempted"] += len(out.preempted)
+        for c in out.chunks:  # every scheduled token has a KV slot
+            assert len(c.seq.block_table) * scheduler.blocks.block_size >= c.start + c.num_tokens
+        nxt = {c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples}
+        scheduler.postprocess(out, nxt)
+    return stats
+
+
+def test_block_manager_alloc_free_refcounts():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = Sequence([1] * 5), Sequence([2] * 3)
+    assert bm.extra_blocks_needed(a, 5) == 2
+    bm.grow(a, 5)
+    bm.grow(b, 3)
+    assert bm.num_free == 1 and not bm.can_grow(a, 13) and bm.can_grow(a, 12)
+    assert bm.slot(a, 4) == a.block_table[1] * 4
+    bm.free(a)
+    assert bm.num_free == 3 and a.block_table == [] and bm.ref_counts[b.block_table[0]] == 1
+    with pytest.raises(AssertionError):
+        bm.grow(b, 100)
+
+
+def test_chunked_prefill_mixes_with_decode_and_matches_unbatched():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(block_manager=bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=200)
+    rng = random.Random(0)
+    seqs = [Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12))) for _ in range(10)]
+    for s in seqs:
+        sched.add(s)
+    stats = run(sched, seqs)
+    assert stats["mixed"] > 0 and stats["max_tokens"] == 16
+    for s in seqs:
+        assert s.status is SequenceStatus.FINISHED and s.output_token_ids == reference_output(s.prompt_token_ids, s.params)
+    assert bm.num_free == bm.num_blocks
+
+
+def test_preemption_by_recompute_loses_nothing():
+    bm = BlockManager(num_blocks=12, block_size=4)  # far fewer blocks than the requests want together
+    sched = Scheduler(block_manager=bm, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64)
+    rng = random.Random(1)
+    seqs = [Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))], SamplingParams(max_tokens=20, stop_token_ids=(5,))) for _ in range(12)]
+    for s in seqs:
+        sched.add(s)
+    stats = run(sched, seqs)
+    assert stats["preempted"] > 0
+    for s in seqs:
+        assert s.status is SequenceStatus.FINISHED, s.error
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, s.params)
+    assert bm.num_free == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
+
+
+def test_bad_requests_are_rejected_without_disturbing_others():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(block_manager=bm, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=16)
+    good = Sequence([1, 2, 3], SamplingParams(max_tokens=3))
+    sched.add(good)
+    with pytest.raises(ValueError, match="empty prompt"):
+        sched.add(Sequence([]))
+    with pytest.raises(ValueError, match="does not fit the model's context of 16"):
+        sched.add(Sequence(list(range(16))))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        sched.add(Sequence([1], SamplingParams(max_tokens=0)))
+    with pytest.raises(ValueError, match="top_p"):
+        sched.add(Sequence([1], SamplingParams(top_p=0.0)))
+    run(sched, [good])
+    assert good.output_token_ids == reference_output([1, 2, 3], good.params) and list(sched.waiting) == []
+
+
+def test_request_that_outgrows_the_cache_fails_instead_of_stalling():
+    bm = BlockManager(num_blocks=2, block_size=4)  # 8 KV slots in all
+    sched = Scheduler(block_manager=bm, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
+    big = Sequence([1] * 6, SamplingParams(max_tokens=10))  # fits at first, outgrows 8 slots later
+    small = Sequence([2], SamplingParams(max_tokens=2))
+    sched.add(big)
+    sched.add(small)
+    run(sched, [big, small])
+    assert small.status is SequenceStatus.FINISHED
+    assert big.status is SequenceStatus.FAILED and "KV blocks" in big.error
+    assert bm.num_free == bm.num_blocks
