@@ -259,3 +259,12 @@ def style_outputs(ctx, styles, token_counts, compile_model=True):
             rep = (rep.num_compiles, [(g.counts_before, g.counts_after) for g in rep.graphs], str(rep))
         results[style] = (eager, compiled_out, rep)
     return results
+
+
+def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0):
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(ctx, "tiny", **engine_kwargs)
+    params = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=max_tokens, seed=3)
+    results = engine.generate(prompts, params)
+    return results, engine.num_steps

@@ -29,6 +29,7 @@ FULL_CONSUMERS = {
     aten.bmm.default,
     aten._scaled_mm.default,
     tpw.attention.default,
+    tpw.paged_attention.default,
     funcol.all_gather_into_tensor.default,
     aten.index.Tensor,  # e.g. picking the last token of each sequence for the LM head
     aten.index_select.default,

@@ -5,6 +5,8 @@ B sequences, sequence b spanning rows cu_seqlens[b]:cu_seqlens[b+1].
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,6 +24,16 @@ from tpweave.ops import attention as _attention_op  # noqa: F401  (registers tpw
 from tpweave.runtime.context import TPContext
 
 
+@dataclass(frozen=True)
+class KVMeta:
+    """Paged-cache metadata of one step: slot of each new token, context length and blocks per sequence."""
+
+    slot_mapping: Tensor  # (M,) int64
+    context_lens: Tensor  # (B,) int32, cached + new tokens
+    block_tables: Tensor  # (B, max_blocks) int32
+    block_size: int
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
@@ -35,15 +47,23 @@ class Attention(nn.Module):
             cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling, max_positions=cfg.max_position_embeddings, device=tp.device
         )
         self.scale = cfg.head_dim**-0.5
+        # Paged KV cache (num_slots, kv heads, head dim), attached by the engine's model runner.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: "KVMeta | None" = None) -> Tensor:
         num_tokens = x_MH.shape[0]
         # View the contiguous qkv output as heads first, then split: views of the non-contiguous
         # q/k/v slices would make Inductor guard on M == 1 (a recompile at decode of one sequence).
         qkv_MXD = self.qkv_proj(x_MH).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv_MXD.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self.rotary(positions_M, q, k)
-        o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
+        if kv is None:
+            o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
+        else:
+            o = torch.ops.tpweave.paged_attention(
+                q, k, v, self.k_cache, self.v_cache, kv.slot_mapping, cu_seqlens, kv.context_lens, kv.block_tables, kv.block_size, self.scale
+            )
         return self.o_proj(o.view(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -66,8 +86,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
         self.mlp = MLP(cfg, tp=tp, dtype=dtype)
 
-    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
-        h = x_MH + self.self_attn(self.input_layernorm(x_MH), positions_M, cu_seqlens)
+    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: "KVMeta | None" = None) -> Tensor:
+        h = x_MH + self.self_attn(self.input_layernorm(x_MH), positions_M, cu_seqlens, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -78,10 +98,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp=tp, dtype=dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
 
-    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: "KVMeta | None" = None) -> Tensor:
         x_MH = self.embed_tokens(input_ids_M)
         for layer in self.layers:
-            x_MH = layer(x_MH, positions_M, cu_seqlens)
+            x_MH = layer(x_MH, positions_M, cu_seqlens, kv)
         return self.norm(x_MH)
 
 
@@ -96,5 +116,22 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor) -> Tensor:
-        return self.lm_head(self.model(input_ids_M, positions_M, cu_seqlens))
+    def forward(
+        self,
+        input_ids_M: Tensor,
+        positions_M: Tensor,
+        cu_seqlens: Tensor,
+        slot_mapping: Tensor | None = None,
+        context_lens: Tensor | None = None,
+        block_tables: Tensor | None = None,
+        block_size: int = 0,
+        logits_rows: Tensor | None = None,
+    ) -> Tensor:
+        """Without KV metadata: causal attention within the packed batch. With it (the engine): the
+        new tokens attend to their whole context in the paged cache. `logits_rows` picks the rows
+        whose logits are wanted (default: every token)."""
+        kv = None if slot_mapping is None else KVMeta(slot_mapping, context_lens, block_tables, block_size)
+        hidden = self.model(input_ids_M, positions_M, cu_seqlens, kv)
+        if logits_rows is not None:
+            hidden = hidden[logits_rows]
+        return self.lm_head(hidden)

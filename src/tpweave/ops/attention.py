@@ -44,3 +44,48 @@ def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, s
 @attention.register_fake
 def _(q_MHD, k_MKD, v_MKD, cu_seqlens, scale):
     return q_MHD.new_empty(q_MHD.shape)  # contiguous, whatever q's strides
+
+
+@torch.library.custom_op("tpweave::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    q_MHD: Tensor,
+    k_MKD: Tensor,
+    v_MKD: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    cu_seqlens_q: Tensor,
+    context_lens: Tensor,
+    block_tables: Tensor,
+    block_size: int,
+    scale: float,
+) -> Tensor:
+    """Attention of each sequence's new tokens against its whole context in a paged KV cache.
+
+    k_cache/v_cache (num_slots, K, D): the page pool, slot = block * block_size + offset. The new
+    tokens' K/V are written at slot_mapping (M,) first. Sequence b has new rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] and context_lens[b] tokens in all (cached + new);
+    block_tables (B, max_blocks) lists its blocks.
+    """
+    k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+    group = q_MHD.shape[1] // k_cache.shape[1]
+    out = q_MHD.new_empty(q_MHD.shape)
+    bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        num_q, num_kv = end - start, lens[b]
+        pos = torch.arange(num_kv, device=q_MHD.device)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)  # (H, L, D)
+        v = v_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)
+        q = q_MHD[start:end].transpose(0, 1)
+        # query i sits at position num_kv - num_q + i and sees keys up to it
+        visible = pos[None, :] <= (num_kv - num_q + torch.arange(num_q, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+@paged_attention.register_fake
+def _(q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables, block_size, scale):
+    return q_MHD.new_empty(q_MHD.shape)
