@@ -130,6 +130,59 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_worker(ctx, model, prompts, max_tokens, temperature, top_p, engine_kwargs):
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(ctx, model, **engine_kwargs)
+    return engine.generate(prompts, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=0))
+
+
+def _tokenizer(model: str):
+    from pathlib import Path
+
+    if not Path(model).is_dir() or not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    return AutoTokenizer.from_pretrained(model)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import random
+
+    from tpweave.models import resolve_config
+    from tpweave.runtime import launch
+
+    cfg = resolve_config(args.model)
+    cfg.check_tp(args.tp)
+    tok = _tokenizer(args.model)
+    if args.prompt and tok is None:
+        raise ValueError("--prompt needs a model directory with a tokenizer (and transformers installed); use --prompt-ids")
+    if args.prompt:
+        prompts = [tok.encode(p) for p in args.prompt]
+    elif args.prompt_ids:
+        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+    else:
+        rng = random.Random(0)
+        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(4, 64))] for _ in range(args.num_prompts)]
+    engine_kwargs = {"dtype": DTYPES[args.dtype], "block_size": args.block_size, "num_blocks": args.num_blocks,
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "compile_model": not args.no_compile}
+    if args.num_layers:
+        engine_kwargs["num_layers"] = args.num_layers
+    results = launch(_generate_worker, args.model, prompts, args.max_tokens, args.temperature, args.top_p, engine_kwargs,
+                     nprocs=args.tp, timeout_s=args.timeout)[0]
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
+        if r["error"]:
+            print(f"[{i}] rejected: {r['error']}")
+        elif tok is not None:
+            print(f"[{i}] {tok.decode(prompt)!r} -> {tok.decode(r['token_ids'])!r} ({r['finish_reason']})")
+        else:
+            print(f"[{i}] {len(prompt)} prompt tokens -> {r['token_ids']} ({r['finish_reason']})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpweave", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -156,6 +209,24 @@ def main(argv: list[str] | None = None) -> int:
     timing_args(cal)
     cal.add_argument("--tokens", type=_tokens, default="1,16,64,256,512,1024,2048,4096,8192,16384")
     cal.set_defaults(fn=cmd_calibrate)
+
+    gen = sub.add_parser("generate", help="generate with the reference engine (preset: token ids; directory with tokenizer: text)")
+    gen.add_argument("--model", default="tiny", help="preset name or HF-format directory")
+    gen.add_argument("--tp", type=int, default=2)
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    gen.add_argument("--prompt", action="append", help="text prompt (repeatable; needs a tokenizer in --model)")
+    gen.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
+    gen.add_argument("--num-prompts", type=int, default=4, help="random prompts when none are given")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--num-blocks", type=int, default=512)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=512)
+    gen.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    gen.add_argument("--no-compile", action="store_true")
+    gen.add_argument("--timeout", type=float, default=1800)
+    gen.set_defaults(fn=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_cmd", required=True)
