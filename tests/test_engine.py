@@ -42,3 +42,13 @@ def test_sampling_is_the_same_on_every_rank():
     results = tpweave.launch(workers.engine_generate, good[:3], 5, ENGINE, 0.8, nprocs=2)
     assert results[0] == results[1]
     assert all(len(r["token_ids"]) == 5 and all(0 <= t < 1536 for t in r["token_ids"]) for r in results[0][0])
+
+
+def test_generate_cli(capsys):
+    from tpweave.cli import main
+
+    assert main(["generate", "--model", "tiny", "--tp", "2", "--dtype", "float32", "--max-tokens", "3", "--num-prompts", "2",
+                 "--prompt-ids", "5,6,7", "--prompt-ids", "", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] 3 prompt tokens -> [" in out and "(length)" in out
+    assert "[1] rejected: empty prompt" in out
