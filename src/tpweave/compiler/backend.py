@@ -196,7 +196,9 @@ def compile(
     if sp_min_tokens is None and table is not None:
         sp_min_tokens = table.sp_min_tokens
     if sp_min_tokens is None:
-        sp_min_tokens = DEFAULT_SP_MIN_TOKENS
+        # The boundary is a GPU measurement; off the GPU (gloo) there is nothing to win or lose, so
+        # the SP graph serves every M there and CPU runs exercise it.
+        sp_min_tokens = DEFAULT_SP_MIN_TOKENS if dist.get_backend(group) == "nccl" else 0
         logger.info("no calibration table: sequence parallel from M >= %d (tpweave calibrate would tune this)", sp_min_tokens)
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     if sp_min_tokens < 0:
