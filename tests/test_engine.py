@@ -22,10 +22,11 @@ def _prompts():
 def test_tp2_greedy_tokens_equal_tp1_with_chunking_and_preemption():
     good, bad = _prompts()
     prompts = good[:2] + bad + good[2:]
-    ref, _ = workers.engine_generate(tpweave.TPContext.single(), prompts, 8, ENGINE)
+    ref, _, _ = workers.engine_generate(tpweave.TPContext.single(), prompts, 8, ENGINE)
     results = tpweave.launch(workers.engine_generate, prompts, 8, ENGINE, nprocs=2)
     assert results[0] == results[1]  # both ranks ran the same steps
-    got, _ = results[0]
+    got, num_steps, num_compiles = results[0]
+    assert num_compiles == 1 and num_steps > 10  # one graph for every step's M, batch and block-table shape
     for r, g in zip(ref, got):
         assert g["token_ids"] == r["token_ids"] and g["error"] == r["error"]
     ok = [g for g in got if g["error"] is None]

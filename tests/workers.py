@@ -262,9 +262,12 @@ def style_outputs(ctx, styles, token_counts, compile_model=True):
 
 
 def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0):
+    import tpweave
     from tpweave.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(ctx, "tiny", **engine_kwargs)
     params = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=max_tokens, seed=3)
     results = engine.generate(prompts, params)
-    return results, engine.num_steps
+    forward = engine.runner.forward
+    num_compiles = tpweave.report(forward).num_compiles if hasattr(forward, "compile_report") else 0
+    return results, engine.num_steps, num_compiles
