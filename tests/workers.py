@@ -7,10 +7,10 @@ import time
 import torch
 
 from tpweave.models import build_model
+from tpweave.models.config import DTYPES
 from tpweave.models.inputs import random_batch, split_tokens
 from tpweave.ops import collectives
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def batch_for(num_tokens: int, *, vocab_size: int, device, seed: int = 0):

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tpweave.models.config import DTYPES
 
 
 def _demo_worker(ctx, model_name: str, num_tokens: int, dtype_name: str, compile_model: bool):

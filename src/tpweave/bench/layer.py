@@ -15,12 +15,11 @@ from torch import nn
 
 from tpweave.bench.timing import time_arms
 from tpweave.models import build_model
-from tpweave.models.config import get_preset
+from tpweave.models.config import DTYPES, get_preset
 from tpweave.ops.overlap import STRATEGIES
 from tpweave.runtime.context import TPContext
 from tpweave.tuning.table import SiteShape, StrategyTable, site_shapes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_ARMS = ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")
 
 

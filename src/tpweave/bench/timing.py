@@ -56,7 +56,7 @@ def time_arms(
     cuda_graphs: bool = True,
 ) -> dict[str, ArmTiming]:
     names = list(arms)
-    on_cuda = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl" if group is not None else torch.cuda.is_available()
+    on_cuda = torch.cuda.is_available() and (group is None or dist.get_backend(group) == "nccl")
     peak: dict[str, int] = {n: 0 for n in names}
     runners: dict[str, Callable[[], Any]] = {}
     for name in names:

@@ -6,6 +6,11 @@ from collections import deque
 from tpweave.engine.sequence import Sequence
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """Flat index of the KV slot of token `position` in the page pool (slot = block * size + offset)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 class BlockManager:
     def __init__(self, *, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -47,5 +52,4 @@ class BlockManager:
         seq.block_table = []
 
     def slot(self, seq: Sequence, position: int) -> int:
-        """Flat index of the KV slot of token `position` of `seq` in the page pool."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        return slot_of(seq.block_table, position, self.block_size)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from tpweave.engine.block_manager import slot_of
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
@@ -33,7 +34,7 @@ class ModelRunner:
             ids += tokens
             positions += range(c.start, c.start + c.num_tokens)
             table = c.seq.block_table
-            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(c.start, c.start + c.num_tokens)]
+            slots += [slot_of(table, p, self.block_size) for p in range(c.start, c.start + c.num_tokens)]
             cu.append(cu[-1] + c.num_tokens)
             ctx_lens.append(c.start + c.num_tokens)
             tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)

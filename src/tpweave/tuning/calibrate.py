@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import torch
 
 from tpweave.bench.layer import BenchSettings, bench_layers, bench_ops
-from tpweave.models.config import get_preset
+from tpweave.models.config import DTYPES, get_preset
 from tpweave.runtime.context import TPContext
 from tpweave.tuning.table import StrategyTable, table_key
 
@@ -51,7 +50,7 @@ def sp_min_from_layer_rows(rows: list[dict[str, Any]]) -> int:
 
 def calibrate(ctx: TPContext, model: str, *, dtype_name: str, grid: list[int], settings: BenchSettings, num_layers: int) -> StrategyTable:
     cfg = get_preset(model)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    dtype = DTYPES[dtype_name]
     op_rows = bench_ops(ctx, model, grid, dtype_name=dtype_name, settings=settings)
     by_site: dict[str, list] = defaultdict(list)
     for r in op_rows:

@@ -6,6 +6,7 @@ fused ops require; padding rows are dropped from the outputs.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,7 @@ def _available(x: torch.Tensor) -> bool:
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
     _enable(group_name)
-    num_tokens = 1
-    for s in token_sizes:
-        num_tokens *= s
+    num_tokens = math.prod(token_sizes)
     a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(x_local.contiguous(), list(weights), 0, group_name, return_A=True)
     outs = [o[:num_tokens] if b is None else o[:num_tokens] + b for o, b in zip(outs, biases)]
     return [a_full[:num_tokens].reshape(*token_sizes, x_local.shape[-1]), *outs]
