@@ -271,3 +271,33 @@ def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0):
     forward = engine.runner.forward
     num_compiles = tpweave.report(forward).num_compiles if hasattr(forward, "compile_report") else 0
     return results, engine.num_steps, num_compiles
+
+
+def gpu_engine_generate(ctx, model, prompts, max_tokens, engine_kwargs):
+    """Greedy generation on the GPU engine; with teacher-forced reference checks done elsewhere."""
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(ctx, model, **engine_kwargs)
+    results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    runner = engine.runner
+    return results, {"num_graphs": len(runner.graphs), "num_graph_replays": runner.num_graph_replays,
+                     "num_blocks": runner.num_blocks, "num_steps": engine.num_steps}
+
+
+def gpu_teacher_forced(ctx, model, sequences, num_layers=None):
+    """TP=1 eager logits over prompt + generated tokens: argmax and top-2 margin at every generated position."""
+    import torch
+
+    from tpweave.models import build_model
+
+    overrides = {"num_layers": num_layers} if num_layers else {}
+    net = build_model(model, tp=ctx, dtype=torch.bfloat16, seed=0, **overrides)
+    out = []
+    with torch.no_grad():
+        for prompt, generated in sequences:
+            ids = torch.tensor(prompt + generated, device=ctx.device)
+            cu = torch.tensor([0, len(ids)], dtype=torch.int32, device=ctx.device)
+            logits = net(ids, torch.arange(len(ids), device=ctx.device), cu).float()[len(prompt) - 1 : -1]
+            top = logits.topk(2, dim=-1)
+            out.append((top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()))
+    return out

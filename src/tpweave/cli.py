@@ -168,7 +168,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         rng = random.Random(0)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(4, 64))] for _ in range(args.num_prompts)]
     engine_kwargs = {"dtype": DTYPES[args.dtype], "block_size": args.block_size, "num_blocks": args.num_blocks,
-                     "max_num_batched_tokens": args.max_num_batched_tokens, "compile_model": not args.no_compile}
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "compile_model": not args.no_compile,
+                     "max_num_seqs": args.max_num_seqs, "baseline": args.baseline, "cuda_graphs": not args.no_cuda_graphs}
     if args.num_layers:
         engine_kwargs["num_layers"] = args.num_layers
     results = launch(_generate_worker, args.model, prompts, args.max_tokens, args.temperature, args.top_p, engine_kwargs,
@@ -221,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--num-blocks", type=int, default=512)
+    gen.add_argument("--max-num-seqs", type=int, default=32)
+    gen.add_argument("--baseline", action="store_true", help="plain TP (NCCL all-reduce), no SP / async TP")
+    gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free GPU memory; 256 on CPU)")
     gen.add_argument("--max-num-batched-tokens", type=int, default=512)
     gen.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     gen.add_argument("--no-compile", action="store_true")

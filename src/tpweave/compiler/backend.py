@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # at every M (0.81-0.98x): benchmarks/results/2026-11-30-layer-llama3-*-tp2.md, sp_fused / sp_seq arms.
 DEFAULT_SP_MIN_TOKENS = 2048
 DEFAULT_OVERLAP_POLICY = "sequential@0,symm_mem_fused@2048"
-ATTENTION_OPS = ("tpweave::attention",)
+ATTENTION_OPS = ("tpweave::attention", "tpweave::paged_attention")
 
 
 @dataclass(frozen=True)

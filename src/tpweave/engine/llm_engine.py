@@ -16,17 +16,27 @@ from tpweave.runtime.context import TPContext
 
 class LLMEngine:
     def __init__(self, ctx: TPContext, source, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0, block_size: int = 16,
-                 num_blocks: int = 256, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 compile_model: bool = True, sp_min_tokens: int | None = None, **overrides):
-        self.runner = ModelRunner(ctx, source, dtype=dtype, seed=seed, num_blocks=num_blocks, block_size=block_size,
-                                  compile_model=compile_model, sp_min_tokens=sp_min_tokens, **overrides)
+                 num_blocks: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 max_model_len: int | None = None, compile_model: bool = True, baseline: bool = False,
+                 sp_min_tokens: int | None = None, cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, **overrides):
+        """num_blocks=None: sized from free GPU memory on CUDA (256 on CPU). baseline=True: plain TP
+        (the model's NCCL all-reduces, no SP or async TP), for A/B runs. cuda_graphs: decode steps
+        replay a graph captured per batch-size bucket (CUDA only)."""
+        from tpweave.models import resolve_config
+
+        max_model_len = max_model_len or resolve_config(source, **overrides).max_position_embeddings
+        self.runner = ModelRunner(ctx, source, dtype=dtype, seed=seed, block_size=block_size, num_blocks=num_blocks,
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len, compile_model=compile_model, baseline=baseline,
+                                  sp_min_tokens=sp_min_tokens, cuda_graphs=cuda_graphs,
+                                  gpu_memory_utilization=gpu_memory_utilization, **overrides)
         cfg = self.runner.model.config
         self.vocab_size = cfg.vocab_size
         self.scheduler = Scheduler(
-            block_manager=BlockManager(num_blocks=num_blocks, block_size=block_size),
+            block_manager=BlockManager(num_blocks=self.runner.num_blocks, block_size=block_size),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len or cfg.max_position_embeddings,
+            max_model_len=max_model_len,
         )
         self.num_steps = 0
 

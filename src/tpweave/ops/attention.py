@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tpweave.ops import paged_decode
+
 
 def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     group = q_MHD.shape[1] // k_MKD.shape[1]
@@ -69,6 +71,16 @@ def paged_attention(
     """
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+    num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
+    if paged_decode.supported(q_MHD, k_cache):
+        if num_tokens == num_seqs:  # one new token per sequence: decode (shapes only, no host sync)
+            seq_of_token = torch.arange(num_seqs, dtype=torch.int32, device=q_MHD.device)
+            return paged_decode.paged_decode(q_MHD, k_cache, v_cache, block_tables, seq_of_token, context_lens, block_size, scale)
+        return _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
+    return _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
+
+
+def _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale):
     group = q_MHD.shape[1] // k_cache.shape[1]
     out = q_MHD.new_empty(q_MHD.shape)
     bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -84,6 +96,35 @@ def paged_attention(
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale):
+    """Prefill and mixed steps: pack each sequence's context out of the page pool, then FA2 varlen.
+
+    Sizes come from shapes only (no host sync): the packed buffer has B * L + 1 rows for L = the
+    block table's span; sequence b's context goes to rows cu_k[b]:cu_k[b+1], the rest of the B x L
+    candidates go to the last (scratch) row. Causal masking is aligned bottom-right (FA2), so the
+    new queries of a sequence see its cached context.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    num_seqs, span = block_tables.shape[0], block_tables.shape[1] * block_size
+    pos_L = torch.arange(span, device=q_MHD.device)
+    slots_BL = block_tables.long()[:, pos_L // block_size] * block_size + pos_L % block_size
+    cu_k = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q_MHD.device)
+    cu_k[1:] = context_lens.cumsum(0)
+    valid_BL = pos_L[None, :] < context_lens[:, None]
+    dest_BL = torch.where(valid_BL, cu_k[:-1, None].long() + pos_L[None, :], num_seqs * span)
+    packed = []
+    for cache in (k_cache, v_cache):
+        buf = cache.new_empty(num_seqs * span + 1, *cache.shape[1:])
+        buf.index_copy_(0, dest_BL.flatten(), cache[slots_BL.flatten()])
+        packed.append(buf)
+    out = varlen_attn(
+        q_MHD.contiguous(), packed[0], packed[1], cu_seqlens_q.to(torch.int32), cu_k, q_MHD.shape[0], span,
+        scale=scale, window_size=(-1, 0),
+    )
+    return out.contiguous()
 
 
 @paged_attention.register_fake
