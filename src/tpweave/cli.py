@@ -101,10 +101,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _bench_layer_worker(ctx, model, dtype_name, tokens, settings, num_layers, with_ops):
     from tpweave.bench.layer import bench_layers, bench_ops
-    from tpweave.models.config import get_preset
-    from tpweave.tuning.table import load_table, table_key
 
-    table = load_table(table_key(get_preset(model), tp=ctx.world_size, dtype=DTYPES[dtype_name]))
+    table = _cached_table(model, ctx.world_size, dtype_name)
     rows = bench_layers(ctx, model, tokens, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table)
     if with_ops:
         rows += bench_ops(ctx, model, tokens, dtype_name=dtype_name, settings=settings)
@@ -127,6 +125,139 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
     name = args.name or f"layer-{args.model}-tp{args.tp}-{args.dtype}"
     json_path, md_path = write_results(args.out, name, meta, rows)
     print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    """'1x2048,4x512' -> [(1, 2048), (4, 512)]; 'AxB' means batch x length."""
+    try:
+        out = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(p) != 2 or min(p) < 1 for p in out):
+        raise argparse.ArgumentTypeError(f"expected BATCHxLENGTH pairs like 1x2048,4x512, got {text!r}")
+    return out
+
+
+def _cached_table(model: str, tp: int, dtype_name: str):
+    from tpweave.models import resolve_config
+    from tpweave.tuning.table import load_table, table_key
+
+    return load_table(table_key(resolve_config(model), tp=tp, dtype=DTYPES[dtype_name]))
+
+
+def _bench_latency_worker(ctx, model, dtype_name, num_layers, prefill, decode, settings, verify):
+    from tpweave.bench.latency import bench_latency
+
+    table = _cached_table(model, ctx.world_size, dtype_name)
+    rows, kernels, problems = bench_latency(ctx, model, dtype_name=dtype_name, num_layers=num_layers, prefill=prefill,
+                                            decode=decode, settings=settings, table=table, verify=verify)
+    return rows, kernels, problems, table is not None
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from tpweave.bench.layer import BenchSettings
+    from tpweave.bench.results import DECODE_COLUMNS, PREFILL_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.models import resolve_config
+    from tpweave.runtime import launch
+
+    cfg = resolve_config(args.model)
+    cfg.check_tp(args.tp)
+    settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
+    rows, kernels, problems, calibrated = launch(
+        _bench_latency_worker, args.model, args.dtype, args.layers, args.prefill, args.decode, settings, not args.no_verify,
+        nprocs=args.tp, timeout_s=args.timeout)[0]
+    meta = run_metadata({"kind": "latency", "model": args.model, "tp": args.tp, "dtype": args.dtype,
+                         "layers": args.layers or cfg.num_layers, "calibrated": calibrated, "reps": args.reps, "inner": args.inner,
+                         "kernels": kernels, "verification_problems": problems})
+    print(markdown_table([r for r in rows if r["what"] == "prefill"], PREFILL_COLUMNS))
+    print(markdown_table([r for r in rows if r["what"] == "decode"], DECODE_COLUMNS))
+    name = args.name or f"latency-{args.model}-tp{args.tp}-{args.dtype}"
+    json_path, md_path = write_results(args.out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    if problems:
+        print("tpweave: kernel verification FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 3
+    return 0
+
+
+def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, seed):
+    from tpweave.bench.serve import free_engine, run_requests, summarize, warm_up
+    from tpweave.engine import LLMEngine
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    rows, records = [], {}
+    for arm in arms:
+        engine = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs)
+        warm_up(engine, max_tokens=engine_kwargs["max_num_batched_tokens"])
+        for workload, rate, requests in workloads:
+            recs = run_requests(ctx, engine, requests, seed=seed)
+            records[f"{arm}/{workload}/{rate}"] = recs
+            rows.append({"what": "serve", "workload": workload, "rate": rate, "arm": arm, **summarize(recs),
+                         "errors": sorted({r["error"] for r in recs if r["error"]})[:5]})
+        free_engine(engine)
+    for r in rows:
+        base = next(b for b in rows if b["arm"] == arms[0] and (b["workload"], b["rate"]) == (r["workload"], r["rate"]))
+        r["vs_baseline"] = r["output_token_throughput"] / base["output_token_throughput"] if base["output_token_throughput"] else None
+    return rows, records
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.bench.serve import WORKLOADS, load_requests, poisson_requests
+    from tpweave.models import resolve_config
+    from tpweave.runtime import launch
+
+    cfg = resolve_config(args.model)
+    cfg.check_tp(args.tp)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or any(a not in ("baseline", "auto") for a in arms):
+        raise ValueError(f"--arms takes baseline and/or auto, got {args.arms!r}")
+    workloads = []
+    for rate in args.rates:
+        if args.requests_file:
+            workloads.append((Path(args.requests_file).name, rate, load_requests(args.requests_file, rate=rate, seed=args.seed)))
+            continue
+        for name in args.workload.split(","):
+            if name not in WORKLOADS:
+                raise ValueError(f"unknown workload {name!r}: choose from {sorted(WORKLOADS)} or give --requests-file")
+            workloads.append((name, rate, poisson_requests(num_requests=args.num_requests, rate=rate, lengths=WORKLOADS[name], seed=args.seed)))
+    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "max_model_len": args.max_model_len, "block_size": args.block_size}
+    if args.layers:
+        engine_kwargs["num_layers"] = args.layers
+    rows, records = launch(_bench_serve_worker, args.model, args.dtype, arms, workloads, engine_kwargs, args.seed,
+                           nprocs=args.tp, timeout_s=args.timeout)[0]
+    meta = run_metadata({"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype,
+                         "layers": args.layers or cfg.num_layers, "num_requests": args.num_requests, **engine_kwargs})
+    print(markdown_table(rows, SERVE_COLUMNS))
+    name = args.name or f"serve-{args.model}-tp{args.tp}-{args.dtype}"
+    json_path, md_path = write_results(args.out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    lost = [r for r in rows if r["num_finished"] + r["num_failed"] != r["num_requests"]]
+    if lost:
+        raise AssertionError(f"requests unaccounted for: {lost}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tpweave.bench.results import load_results, render
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for path in args.results:
+        meta, rows = load_results(path)
+        parts.append(render(Path(path).stem, meta, rows, out))
+    report = "\n\n".join(parts)
+    (out / args.name).write_text(report)
+    print(report)
+    print(f"wrote {out / args.name}")
     return 0
 
 
@@ -241,6 +372,44 @@ def main(argv: list[str] | None = None) -> int:
     layer.add_argument("--out", default="benchmarks/results")
     layer.add_argument("--name", default=None)
     layer.set_defaults(fn=cmd_bench_layer)
+
+    lat = bench_sub.add_parser("latency", help="whole model: prefill TTFT and decode TPOT per arm, kernel verification")
+    timing_args(lat)
+    lat.set_defaults(layers=None)
+    lat.add_argument("--prefill", type=_pairs, default="1x128,1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x512,4x2048,8x1024",
+                     help="BATCHxINPUT_LEN pairs")
+    lat.add_argument("--decode", type=_pairs, default="1x1024,4x1024,16x1024,64x1024,128x1024,256x1024,1x4096,16x4096,64x4096",
+                     help="BATCHxCONTEXT pairs")
+    lat.add_argument("--no-verify", action="store_true", help="skip the profiler check of which kernels ran")
+    lat.add_argument("--out", default="benchmarks/results")
+    lat.add_argument("--name", default=None)
+    lat.set_defaults(fn=cmd_bench_latency)
+
+    serve = bench_sub.add_parser("serve", help="Poisson arrivals through the engine: TTFT, TPOT, ITL, throughput per arm")
+    serve.add_argument("--model", default="llama3-8b")
+    serve.add_argument("--tp", type=int, default=2)
+    serve.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    serve.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    serve.add_argument("--arms", default="baseline,auto")
+    serve.add_argument("--workload", default="prefill-heavy,decode-heavy,mixed")
+    serve.add_argument("--requests-file", default=None, help="JSON/CSV with input_len, output_len[, arrival_s]")
+    serve.add_argument("--rates", type=lambda t: [float(v) for v in t.split(",")], default="2,8", help="requests per second")
+    serve.add_argument("--num-requests", type=int, default=64)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    serve.add_argument("--max-model-len", type=int, default=8192)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--timeout", type=float, default=3600)
+    serve.add_argument("--out", default="benchmarks/results")
+    serve.add_argument("--name", default=None)
+    serve.set_defaults(fn=cmd_bench_serve)
+
+    rep = sub.add_parser("report", help="render results JSON files as one markdown report with PNG plots")
+    rep.add_argument("results", nargs="+")
+    rep.add_argument("--out", default="benchmarks/results")
+    rep.add_argument("--name", default="REPORT.md")
+    rep.set_defaults(fn=cmd_report)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

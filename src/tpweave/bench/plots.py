@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_layer_speedup(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path | None:
-    """Speedup over baseline TP against M, one line per arm (layer rows)."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -15,23 +14,59 @@ def plot_layer_speedup(rows: list[dict[str, Any]], title: str, path: str | Path)
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    return plt
+
+
+def plot_speedup(rows: list[dict[str, Any]], axes: tuple[str, str, str, str], title: str, path: str | Path) -> Path | None:
+    """One line per arm (and per series, e.g. context length or input length), y against x."""
+    plt = _pyplot()
+    x_key, y_key, x_label, y_label = axes
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
-        if r.get("what") == "layer":
-            series[r["arm"]].append((r["tokens"], r["vs_baseline"]))
-    if not series:
+        extra = next((f" {k}={r[k]}" for k in ("context", "input_len") if k in r and k != x_key), "")
+        series[f"{r['arm']}{extra}"].append((r[x_key], r[y_key]))
+    if plt is None or not series:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, points in series.items():
+    for label, points in sorted(series.items()):
         points.sort()
-        ax.plot([m for m, _ in points], [s for _, s in points], marker="o", label=arm, linestyle="--" if arm == "compute_only" else "-")
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label,
+                linestyle="--" if label.startswith("compute_only") else "-")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per step (M)")
-    ax.set_ylabel("speedup over baseline TP (per layer)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_serve(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path | None:
+    """TTFT and TPOT p50/p99 per arm, one group of bars per workload and rate."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return None
+    groups = sorted({(r["workload"], r["rate"]) for r in rows})
+    arms = sorted({r["arm"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / (2 * len(arms))
+    for ax, metric in zip(axes, ("ttft_ms", "tpot_ms")):
+        for i, arm in enumerate(arms):
+            for j, pct in enumerate(("p50", "p99")):
+                vals = [next((r[f"{metric}_{pct}"] or 0 for r in rows if r["arm"] == arm and (r["workload"], r["rate"]) == g), 0)
+                        for g in groups]
+                offset = (2 * i + j) * width
+                ax.bar([k + offset for k in range(len(groups))], vals, width, label=f"{arm} {pct}")
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(groups))])
+        ax.set_xticklabels([f"{w}\n{r:g} req/s" for w, r in groups], fontsize=7)
+        ax.set_ylabel(f"{metric.replace('_ms', '')} (ms)")
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -47,6 +47,49 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 LAYER_COLUMNS = ["tokens", "arm", "ms_per_layer", "vs_baseline", "hidden", "of_compute_only", "spread", "peak_mem_bytes", "auto_variant"]
 OP_COLUMNS = ["site", "tokens", "arm", "ms", "vs_sequential", "hidden", "spread"]
+PREFILL_COLUMNS = ["batch", "input_len", "tokens", "arm", "ms", "vs_baseline", "hidden", "of_compute_only", "spread", "peak_mem_bytes", "variant"]
+DECODE_COLUMNS = ["batch", "context", "arm", "ms", "vs_baseline", "hidden", "of_compute_only", "spread", "variant"]
+SERVE_COLUMNS = ["workload", "rate", "arm", "num_finished", "num_failed", "request_throughput", "output_token_throughput",
+                 "total_token_throughput", "vs_baseline", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50",
+                 "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99"]
+# (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
+SECTIONS = (
+    ("layer", "Decoder layer", LAYER_COLUMNS, ("tokens", "vs_baseline", "tokens per step (M)", "speedup over baseline TP (per layer)")),
+    ("op", "Overlapped ops", OP_COLUMNS, None),
+    ("prefill", "Prefill (time to first token)", PREFILL_COLUMNS, ("tokens", "vs_baseline", "prompt tokens in the step (M)", "TTFT speedup over baseline TP")),
+    ("decode", "Decode (time per output token)", DECODE_COLUMNS, ("batch", "vs_baseline", "decode batch", "TPOT speedup over baseline TP")),
+    ("serve", "Serving", SERVE_COLUMNS, None),
+)
+
+
+def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> str:
+    """Markdown of one result: its metadata, a table per row kind, PNG plots next to it."""
+    from tpweave.bench.plots import plot_serve, plot_speedup
+
+    title = f"{meta.get('model', '')} TP={meta.get('tp', '')} {meta.get('dtype', '')} on {meta.get('device', '')}"
+    parts = [f"# {name}", "", "| | |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in meta.items() if k != "kernels"], ""]
+    for kind, section, columns, plot in SECTIONS:
+        kind_rows = [r for r in rows if r.get("what") == kind]
+        if not kind_rows:
+            continue
+        parts += [f"## {section}", ""]
+        png = None
+        if plot is not None:
+            png = plot_speedup(kind_rows, plot, f"{section}: {title}", out / f"{name}-{kind}.png")
+        elif kind == "serve":
+            png = plot_serve(kind_rows, f"{section}: {title}", out / f"{name}-{kind}.png")
+        if png is not None:
+            parts += [f"![{section}]({png.name})", ""]
+        parts += [markdown_table(kind_rows, columns), ""]
+    kernels = meta.get("kernels")
+    if kernels:
+        parts += ["## Communication kernels per forward (torch.profiler)", ""]
+        for phase, arms in kernels.items():
+            for arm, counts in arms.items():
+                comm = ", ".join(f"{k} x{v:g}" for k, v in counts["comm_kernels"].items()) or "none"
+                parts.append(f"- {phase} / {arm}: {comm}")
+        parts.append("")
+    return "\n".join(parts)
 
 
 def write_results(out_dir: str | Path, name: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -54,17 +97,13 @@ def write_results(out_dir: str | Path, name: str, meta: dict[str, Any], rows: li
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    parts = [f"# {name}", "", "| | |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in meta.items()], ""]
-    layer_rows = [r for r in rows if r.get("what") == "layer"]
-    op_rows = [r for r in rows if r.get("what") == "op"]
-    if layer_rows:
-        parts += ["## Decoder layer", "", markdown_table(layer_rows, LAYER_COLUMNS), ""]
-    if op_rows:
-        parts += ["## Overlapped ops", "", markdown_table(op_rows, OP_COLUMNS), ""]
-    from tpweave.bench.plots import plot_layer_speedup
-
-    png = plot_layer_speedup(rows, f"{meta.get('model', '')} TP={meta.get('tp', '')} {meta.get('dtype', '')} on {meta.get('device', '')}", out / f"{name}.png")
-    if png is not None:
-        parts[1:1] = ["", f"![speedup per arm]({png.name})", ""]
-    md_path.write_text("\n".join(parts))
+    md_path.write_text(render(name, meta, rows, out))
     return json_path, md_path
+
+
+def load_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return data["meta"], data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a tpweave results file ({type(e).__name__}: {e})") from e

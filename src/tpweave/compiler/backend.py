@@ -22,7 +22,7 @@ from tpweave.compiler.graph_utils import count_collectives
 from tpweave.compiler.log import logger
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
-from tpweave.ops.overlap import without_unsafe_under_cudagraph_trees
+from tpweave.ops.overlap import parse_policy, without_unsafe_under_cudagraph_trees
 
 if TYPE_CHECKING:
     from tpweave.tuning.table import StrategyTable
@@ -48,7 +48,9 @@ class PassOptions:
 
     def policy(self, kind: str, k: int, n: int) -> str:
         default = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy}.get(kind, self.all_reduce_policy)
-        policy = dict(self.site_policies).get(f"{kind}:{k}x{n}", default)
+        return self.policy_string(dict(self.site_policies).get(f"{kind}:{k}x{n}", default))
+
+    def policy_string(self, policy: str) -> str:
         return without_unsafe_under_cudagraph_trees(policy) if self.cudagraph_trees else policy
 
 
@@ -149,10 +151,25 @@ class CompiledTP:
     sp_min_tokens: int
     compile_report: CompileReport
     num_tokens_fn: Callable[[tuple], int]
+    options: dict[str, PassOptions] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "plain": 0})
 
     def variant_for(self, num_tokens: int) -> str:
         return "sp" if "sp" in self.variants and num_tokens >= self.sp_min_tokens else "plain"
+
+    def strategies_at(self, num_tokens: int) -> set[str]:
+        """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
+        opts = self.options[self.variant_for(num_tokens)]
+        kinds = ("ag_mm", "mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce",)
+        policies = [{"ag_mm": opts.ag_mm_policy, "mm_rs": opts.mm_rs_policy, "all_reduce": opts.all_reduce_policy}[k] for k in kinds]
+        policies += [p for site, p in opts.site_policies if site.split(":")[0] in kinds]
+        names = set()
+        for policy in policies:
+            chosen = "sequential"
+            for start, name in parse_policy(opts.policy_string(policy)):
+                chosen = name if num_tokens >= start else chosen
+            names.add(chosen)
+        return names
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         num_tokens = self.num_tokens_fn(args)
@@ -226,7 +243,7 @@ def compile(
     for name, options in want.items():
         backend = TPBackend(variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options)
         variants[name] = torch.compile(module, backend=backend, dynamic=None)
-    return CompiledTP(module, variants, sp_min_tokens, report, num_tokens_fn or default_num_tokens)
+    return CompiledTP(module, variants, sp_min_tokens, report, num_tokens_fn or default_num_tokens, options=want)
 
 
 def _cached_table(module: torch.nn.Module, world_size: int) -> "StrategyTable | None":
