@@ -51,7 +51,8 @@ def profile_kernels(fn: Callable[[], Any], *, num_forwards: int = 2, trace_path:
     names: Counter[str] = Counter()
     for evt in prof.events():
         device_type = getattr(evt, "device_type", None)
-        if device_type is not None and device_type == torch.autograd.DeviceType.CUDA:
+        # "nccl:all_reduce"-style names are profiler annotations on the GPU timeline, not kernels
+        if device_type is not None and device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith("nccl:"):
             names[evt.name] += 1
     by_category: Counter[str] = Counter()
     for name, n in names.items():
