@@ -182,7 +182,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 
 def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, seed):
-    from tpweave.bench.serve import free_engine, run_requests, summarize, warm_up
+    from tpweave.bench.serve import release_engine, run_requests, summarize, warm_up
     from tpweave.engine import LLMEngine
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -196,7 +196,8 @@ def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, 
             records[f"{arm}/{workload}/{rate}"] = recs
             rows.append({"what": "serve", "workload": workload, "rate": rate, "arm": arm, **summarize(recs),
                          "errors": sorted({r["error"] for r in recs if r["error"]})[:5]})
-        free_engine(engine)
+        release_engine(engine)
+        engine = None  # noqa: F841  (drop the last reference before the next arm allocates)
     for r in rows:
         base = next(b for b in rows if b["arm"] == arms[0] and (b["workload"], b["rate"]) == (r["workload"], r["rate"]))
         r["vs_baseline"] = r["output_token_throughput"] / base["output_token_throughput"] if base["output_token_throughput"] else None

@@ -169,9 +169,16 @@ def warm_up(engine, *, max_tokens: int) -> None:
     engine.generate([[1] * max_tokens, [1] * 7], SamplingParams(max_tokens=3))
 
 
-def free_engine(engine) -> None:
-    engine.runner.graphs.clear()
-    del engine
+def release_engine(engine) -> None:
+    """Free an engine's KV cache, CUDA graphs and compiled code before the next arm builds its own
+    (the caller must drop its reference too)."""
+    runner = engine.runner
+    runner.graphs.clear()
+    getattr(runner, "_static_out", {}).clear()
+    for layer in runner.model.model.layers:
+        layer.self_attn.k_cache = layer.self_attn.v_cache = None
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
