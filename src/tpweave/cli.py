@@ -190,7 +190,7 @@ def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, 
     rows, records = [], {}
     for arm in arms:
         engine = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs)
-        warm_up(engine, max_tokens=engine_kwargs["max_num_batched_tokens"])
+        warm_up(engine)
         for workload, rate, requests in workloads:
             recs = run_requests(ctx, engine, requests, seed=seed)
             records[f"{arm}/{workload}/{rate}"] = recs

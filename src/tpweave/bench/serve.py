@@ -162,11 +162,17 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
     return records
 
 
-def warm_up(engine, *, max_tokens: int) -> None:
-    """Compile every graph the run will meet (both SP and plain variants) before timing."""
+def warm_up(engine) -> None:
+    """Compile every graph the run will meet (both SP and plain variants) before timing: one step
+    of the largest M the scheduler can form, and a short prompt."""
     from tpweave.engine import SamplingParams
 
-    engine.generate([[1] * max_tokens, [1] * 7], SamplingParams(max_tokens=3))
+    sched = engine.scheduler
+    longest = min(sched.max_num_batched_tokens, sched.max_model_len - 4)
+    results = engine.generate([[1] * longest, [1] * 7], SamplingParams(max_tokens=3))
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        raise RuntimeError(f"warm-up requests failed: {errors}")
 
 
 def release_engine(engine) -> None:
