@@ -56,6 +56,9 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_graph_replays = 0
         if cuda_graphs and self.on_cuda:
+            # The largest step first: compiles its graph and sizes symmetric-memory buffers and
+            # workspaces for the largest M, so nothing is reallocated under a captured graph.
+            self._largest_step(max_num_batched_tokens)
             self._capture_decode_graphs(decode_buckets(max_num_seqs))
 
     # -- memory -----------------------------------------------------------------------------------
@@ -140,6 +143,17 @@ class ModelRunner:
             tables[b, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
         assert n <= bucket
         return [ids, pos, slots, ctx_lens, tables]
+
+    @torch.no_grad()
+    def _largest_step(self, num_tokens: int) -> None:
+        """One prefill step of num_tokens tokens whose K/V all go to the pad block (never read)."""
+        dev, bs = self.ctx.device, self.block_size
+        pos = torch.arange(num_tokens, device=dev)
+        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
+        slots = self.pad_block * bs + pos % bs
+        tables = torch.full((1, -(-num_tokens // bs)), self.pad_block, dtype=torch.int32, device=dev)
+        self.forward(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, cu, slots, cu[1:], tables, bs, cu[1:] - 1)
+        torch.cuda.synchronize(dev)
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
         dev, top = self.ctx.device, max(buckets)

@@ -11,6 +11,8 @@ import functools
 import torch
 
 _BUFFERS: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+# Outgrown buffers stay alive: a CUDA graph captured earlier still reads and writes them.
+_RETIRED: list[torch.Tensor] = []
 
 
 def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -24,6 +26,8 @@ def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.devic
                 f"symmetric buffer for group {group_name} holds {0 if buf is None else buf.numel()} elements, {numel} needed "
                 "during CUDA graph capture: run the largest M once (or call tpweave.ops.symm_buffers.reserve) before capturing"
             )
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = symm_mem.empty(numel, dtype=dtype, device=device)
         symm_mem.rendezvous(buf, group_name)
         _BUFFERS[key] = buf
