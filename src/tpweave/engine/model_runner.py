@@ -152,7 +152,8 @@ class ModelRunner:
         cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
         slots = self.pad_block * bs + pos % bs
         tables = torch.full((1, -(-num_tokens // bs)), self.pad_block, dtype=torch.int32, device=dev)
-        self.forward(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, cu, slots, cu[1:], tables, bs, cu[1:] - 1)
+        positions = pos % self.model.config.max_position_embeddings
+        self.forward(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, cu, slots, cu[1:], tables, bs, cu[1:] - 1)
         torch.cuda.synchronize(dev)
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
