@@ -301,3 +301,23 @@ def gpu_teacher_forced(ctx, model, sequences, num_layers=None):
             top = logits.topk(2, dim=-1)
             out.append((top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()))
     return out
+
+
+@torch.no_grad()
+def fp8_outputs(ctx, source, token_counts, compile_model=True, **overrides):
+    """Eager (and compiled SP) logits of a bf16 FP8 model, and the dtypes of the communicated tensors."""
+    import tpweave
+
+    model = build_model(source, tp=ctx, dtype=torch.bfloat16, seed=0, **overrides)
+    compiled = tpweave.compile(model, sp=True, sp_min_tokens=0) if compile_model else None
+    out = {}
+    for m in token_counts:
+        batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
+        out[(m, "eager")] = model(*batch.args()).float().cpu()
+        if compiled is not None:
+            out[(m, "compiled")] = compiled(*batch.args()).float().cpu()
+    if compiled is not None:
+        rep = tpweave.report(compiled)
+        out["sites"] = [(s.kind, s.action, s.reason, s.dtype) for g in rep.graphs for s in g.sites]
+        out["num_compiles"] = rep.num_compiles
+    return out

@@ -11,10 +11,11 @@ class Site:
     shape: str
     action: str  # what it became: "sequence-parallel", "fused", "left alone", ...
     reason: str = ""
+    dtype: str = ""  # of the communicated tensor
 
     def __str__(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
-        return f"{self.kind:<24} {self.node:<28} {self.shape:<22} -> {self.action}{why}"
+        return f"{self.kind:<24} {self.node:<28} {self.shape + ' ' + self.dtype:<30} -> {self.action}{why}"
 
 
 @dataclass
@@ -28,7 +29,8 @@ class GraphReport:
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
         val = node.meta.get("val") if hasattr(node, "meta") else None
         shape = tuple(val.shape) if hasattr(val, "shape") else ()
-        site = Site(kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason)
+        dtype = str(val.dtype).removeprefix("torch.") if hasattr(val, "dtype") else ""
+        site = Site(kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason, dtype)
         self.sites.append(site)
         return site
 

@@ -28,6 +28,7 @@ FULL_CONSUMERS = {
     aten.addmm.default,
     aten.bmm.default,
     aten._scaled_mm.default,
+    tpw.scaled_mm.default,
     tpw.attention.default,
     tpw.paged_attention.default,
     funcol.all_gather_into_tensor.default,

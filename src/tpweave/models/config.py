@@ -29,6 +29,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    # "fp8": linear layers of the decoder in e4m3 with per-channel weight scales (embedding, norms
+    # and LM head stay in the model dtype); activation scales "dynamic" (per token) or "static".
+    quantization: str | None = None
+    activation_scheme: str = "dynamic"
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -69,6 +73,8 @@ class ModelConfig:
             "attention_bias": self.qkv_bias,
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
+            **({"quantization_config": {"quant_method": self.quantization, "activation_scheme": self.activation_scheme}}
+               if self.quantization else {}),
         }
 
     @classmethod
@@ -76,6 +82,11 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
             raise ValueError(f"unsupported model_type {model_type!r} (tpweave loads llama, qwen2 and mistral-style checkpoints)")
+        quant = hf.get("quantization_config") or {}
+        if quant and quant.get("quant_method") != "fp8":
+            raise ValueError(f"unsupported quantization_config.quant_method {quant.get('quant_method')!r} (supported: fp8)")
+        if quant.get("weight_block_size"):
+            raise ValueError("block-wise FP8 weight scales (weight_block_size) are not supported: per-tensor or per-channel only")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
         try:
@@ -96,6 +107,8 @@ class ModelConfig:
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
                 qkv_bias=hf.get("attention_bias", model_type == "qwen2"),
+                quantization="fp8" if quant else None,
+                activation_scheme=quant.get("activation_scheme", "dynamic"),
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -121,9 +134,15 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-7b": ModelConfig(
         "qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, 1e-6, 1000000.0, None, 32768, qkv_bias=True
     ),
+    "llama3-8b-fp8": None,  # filled below: the bf16 preset with FP8 linear layers
+    "llama3-70b-fp8": None,
+    "tiny-fp8": None,
     # GQA 2:1; heads, kv heads, MLP and vocab divisible by TP 2, 3, 4, 6 and 8: CPU tests and demos.
     "tiny": ModelConfig("tiny", 1536, 384, 768, 2, 48, 24, 8, 1e-5, 500000.0, _LLAMA3_ROPE, 4096),
 }
+
+for _name in [n for n, c in PRESETS.items() if c is None]:
+    PRESETS[_name] = PRESETS[_name.removesuffix("-fp8")].replace(name=_name, quantization="fp8")
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:

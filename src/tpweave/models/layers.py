@@ -5,41 +5,82 @@ Shapes: M tokens, H hidden, V vocab; a `_local` size is the per-rank share (size
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tpweave.ops import fp8
 from tpweave.ops.collectives import all_gather_dim0, all_reduce
 from tpweave.runtime.context import TPContext
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+@dataclass(frozen=True)
+class Quant:
+    """How a linear layer's weights and inputs are stored: None = in the model dtype; "fp8" = e4m3
+    weights with per-output-channel scales and per-token ("dynamic") or "static" input scales."""
+
+    method: str | None = None
+    activation_scheme: str = "dynamic"
+
+
+class _Linear(nn.Module):
+    """weight (N, K) in the model dtype, or FP8 with weight_scale (N,) [+ input_scale ()]."""
+
+    def _init_weights(self, n: int, k: int, *, quant: Quant, dtype: torch.dtype, device: torch.device) -> None:
+        self.quant, self.out_dtype = quant, dtype
+        if quant.method is None:
+            self.weight = _param(n, k, dtype=dtype, device=device)
+        elif quant.method == "fp8":
+            self.weight = _param(n, k, dtype=fp8.FP8, device=device)
+            self.weight_scale = _param(n, dtype=torch.float32, device=device)
+            if quant.activation_scheme == "static":
+                self.input_scale = _param(dtype=torch.float32, device=device)
+            elif quant.activation_scheme != "dynamic":
+                raise ValueError(f"FP8 activation_scheme must be 'dynamic' or 'static', got {quant.activation_scheme!r}")
+        else:
+            raise ValueError(f"unsupported quantization {quant.method!r} (supported: fp8)")
+
+    def _matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.quant.method is None:
+            return F.linear(x, self.weight, bias)
+        if self.quant.activation_scheme == "static":
+            xq, x_scale = fp8.quantize_static(x, self.input_scale)
+        else:
+            xq, x_scale = fp8.quantize_rows(x)
+        return torch.ops.tpweave.scaled_mm(xq, self.weight, x_scale, self.weight_scale, bias, self.out_dtype)
+
+
+class ColumnParallelLinear(_Linear):
     """y_local = x @ W_local^T: output features split over ranks, input replicated, no communication."""
 
-    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, bias: bool, dtype: torch.dtype, quant: Quant = Quant()):
         super().__init__()
-        self.weight = _param(out_features // tp.world_size, in_features, dtype=dtype, device=tp.device)
+        self._init_weights(out_features // tp.world_size, in_features, quant=quant, dtype=dtype, device=tp.device)
         self.bias = _param(out_features // tp.world_size, dtype=dtype, device=tp.device) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W_local^T): input features split over ranks, output summed over ranks."""
+class RowParallelLinear(_Linear):
+    """y = all_reduce(x_local @ W_local^T): input features split over ranks, output summed over ranks.
 
-    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, dtype: torch.dtype):
+    With FP8 and dynamic scales each rank quantizes its own K-slice of a token (scale from that
+    slice's amax), so TP=N differs from TP=1 by quantization rounding, not by more."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, dtype: torch.dtype, quant: Quant = Quant()):
         super().__init__()
         self.group_name = tp.group_name
-        self.weight = _param(out_features, in_features // tp.world_size, dtype=dtype, device=tp.device)
+        self._init_weights(out_features, in_features // tp.world_size, quant=quant, dtype=dtype, device=tp.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return all_reduce(F.linear(x, self.weight), self.group_name)
+        return all_reduce(self._matmul(x, None), self.group_name)
 
 
 class VocabParallelEmbedding(nn.Module):

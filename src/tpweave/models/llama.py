@@ -15,6 +15,7 @@ from tpweave.models.config import ModelConfig
 from tpweave.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    Quant,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -41,8 +42,9 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads // tp.world_size
         self.head_dim = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp=tp, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp, dtype=dtype)
+        quant = Quant(cfg.quantization, cfg.activation_scheme)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp=tp, bias=cfg.qkv_bias, dtype=dtype, quant=quant)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp, dtype=dtype, quant=quant)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling, max_positions=cfg.max_position_embeddings, device=tp.device
         )
@@ -70,8 +72,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, tp=tp, bias=False, dtype=dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        quant = Quant(cfg.quantization, cfg.activation_scheme)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, tp=tp, bias=False, dtype=dtype, quant=quant)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype, quant=quant)
 
     def forward(self, x_MH: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x_MH).chunk(2, dim=-1)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tpweave.models.config import ModelConfig
+from tpweave.ops.fp8 import quantize_weight
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,24 @@ class Piece:
     dim: int | None
     start: int = 0
     stop: int = 0
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Static FP8 input scale of the random presets: inputs up to 8 in magnitude are represented.
+RANDOM_STATIC_INPUT_SCALE = 8.0 / 448.0
+
+
+def _is_quantized_linear(cfg: ModelConfig, name: str) -> bool:
+    return cfg.quantization is not None and any(name.endswith(f"{lin}.weight") for lin in LINEARS)
+
+
+def hf_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
+    """dtype of tensor `name` in memory: FP8 for quantized linear weights, fp32 for their scales."""
+    if name.endswith(("weight_scale", "input_scale")):
+        return torch.float32
+    if _is_quantized_linear(cfg, name):
+        return torch.float8_e4m3fn
+    return dtype
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -51,6 +70,12 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    if cfg.quantization:
+        for name in [n for n in shapes if _is_quantized_linear(cfg, n)]:
+            base = name.removesuffix(".weight")
+            shapes[base + ".weight_scale"] = (shapes[name][0],)  # per output channel (per-tensor is expanded on load)
+            if cfg.activation_scheme == "static":
+                shapes[base + ".input_scale"] = ()
     return shapes
 
 
@@ -81,6 +106,22 @@ def param_sources(cfg: ModelConfig, *, rank: int, tp: int) -> dict[str, list[Pie
         }
         if cfg.qkv_bias:
             src[p + "self_attn.qkv_proj.bias"] = [_rows(f"{p}self_attn.{n}.bias", size, rank, tp) for n, size in qkv]
+        if cfg.quantization:
+            src |= {
+                p + "self_attn.qkv_proj.weight_scale": [_rows(f"{p}self_attn.{n}.weight_scale", size, rank, tp) for n, size in qkv],
+                p + "self_attn.o_proj.weight_scale": [Piece(p + "self_attn.o_proj.weight_scale", None)],
+                p + "mlp.gate_up_proj.weight_scale": [_rows(p + "mlp.gate_proj.weight_scale", I, rank, tp),
+                                                      _rows(p + "mlp.up_proj.weight_scale", I, rank, tp)],
+                p + "mlp.down_proj.weight_scale": [Piece(p + "mlp.down_proj.weight_scale", None)],
+            }
+            if cfg.activation_scheme == "static":
+                # merged projections share one input scale: the largest (no input overflows)
+                src |= {
+                    p + "self_attn.qkv_proj.input_scale": [Piece(f"{p}self_attn.{n}.input_scale", None) for n, _ in qkv],
+                    p + "self_attn.o_proj.input_scale": [Piece(p + "self_attn.o_proj.input_scale", None)],
+                    p + "mlp.gate_up_proj.input_scale": [Piece(p + f"mlp.{n}.input_scale", None) for n in ("gate_proj", "up_proj")],
+                    p + "mlp.down_proj.input_scale": [Piece(p + "mlp.down_proj.input_scale", None)],
+                }
     del H
     return src
 
@@ -97,7 +138,12 @@ def load_weights(model: nn.Module, cfg: ModelConfig, fetch: Fetch, *, rank: int,
         if name not in sources:
             raise AssertionError(f"no weight source for parameter {name}")
         pieces = [fetch(piece) for piece in sources[name]]
-        value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        if len(pieces) == 1:
+            value = pieces[0]
+        elif name.endswith("input_scale"):
+            value = torch.stack(pieces).amax(0)
+        else:
+            value = torch.cat(pieces, dim=0)
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"weights for {name} have shape {tuple(value.shape)}, the model expects {tuple(param.shape)}")
         with torch.no_grad():
@@ -110,6 +156,14 @@ def _slice(t: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 def random_full_tensor(cfg: ModelConfig, name: str, *, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The full tensor `name` of the random model `seed`: the same on every rank and for every TP degree."""
+    if name.endswith("input_scale"):
+        return torch.tensor(RANDOM_STATIC_INPUT_SCALE, device=device)
+    if cfg.quantization and (name.endswith("weight_scale") or _is_quantized_linear(cfg, name)):
+        # FP8: the bf16 model's weight, quantized per output channel
+        base = name.removesuffix("_scale") if name.endswith("weight_scale") else name
+        w = random_full_tensor(cfg.replace(quantization=None), base, seed=seed, dtype=torch.float32, device=device)
+        wq, scale = quantize_weight(w, per_channel=True)
+        return scale if name.endswith("weight_scale") else wq
     shape = full_shapes(cfg)[name]
     gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     t = torch.empty(shape, dtype=torch.float32, device=device).normal_(generator=gen)
@@ -119,7 +173,7 @@ def random_full_tensor(cfg: ModelConfig, name: str, *, seed: int, dtype: torch.d
         t = 0.1 * t
     elif "embed_tokens" not in name:
         t = t * shape[-1] ** -0.5
-    return t.to(dtype)
+    return t.to(hf_dtype(cfg, name, dtype))
 
 
 def random_fetch(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device) -> Fetch:
@@ -142,6 +196,7 @@ class SafetensorsFetch:
         self.path = Path(path)
         self.dtype, self.device = dtype, device
         self.expected = full_shapes(cfg)
+        self.cfg = cfg
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{self.path} holds no *.safetensors files")
@@ -162,7 +217,14 @@ class SafetensorsFetch:
             raise ValueError(f"tensor {piece.hf_name!r} is missing from the checkpoint in {self.path}")
         sl = self.handles[f].get_slice(piece.hf_name)
         shape = tuple(sl.get_shape())
-        if shape != self.expected[piece.hf_name]:
+        want = self.expected[piece.hf_name]
+        if piece.hf_name.endswith(("weight_scale", "input_scale")) and shape in ((), (1,), (*want, 1), want):
+            # scales: per-tensor (() or (1,)) or per-channel ((N,) or (N, 1)), read whole (small)
+            t = sl[:] if shape else self.handles[f].get_tensor(piece.hf_name)
+            t = t.reshape(-1).float()
+            t = t.expand(want).contiguous() if t.numel() == 1 and want else t.reshape(want)
+            return _slice(t, piece).to(self.device).contiguous()
+        if shape != want:
             raise ValueError(f"tensor {piece.hf_name!r} in {f.name} has shape {shape}, config.json implies {self.expected[piece.hf_name]}")
         if piece.dim is None:
             t = sl[:]
@@ -170,7 +232,7 @@ class SafetensorsFetch:
             t = sl[piece.start : piece.stop]
         else:
             t = sl[:, piece.start : piece.stop]
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+        return t.to(device=self.device, dtype=hf_dtype(self.cfg, piece.hf_name, self.dtype)).contiguous()
 
 
 def save_hf_checkpoint(path: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], *, num_files: int = 1) -> None:

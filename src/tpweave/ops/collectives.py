@@ -58,7 +58,9 @@ def _(x, num_token_dims, group_name, world_size):
 @torch.library.custom_op("tpweave::all_gather_tokens", mutates_args=())
 def all_gather_tokens(x: Tensor, token_sizes: list[int], group_name: str, world_size: int) -> Tensor:
     """Inverse of the token sharding: (ceil(N/TP), *F) -> (*token_sizes, *F), padding dropped."""
-    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), world_size, group_name))
+    # 1-byte floats (FP8) travel as bytes: not every backend (gloo) knows the float8 dtypes.
+    wire = x.contiguous().view(torch.uint8) if x.dtype.itemsize == 1 and x.dtype.is_floating_point else x.contiguous()
+    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(wire, world_size, group_name)).view(x.dtype)
     return full[: math.prod(token_sizes)].reshape(*token_sizes, *x.shape[1:])
 
 
