@@ -59,6 +59,10 @@ def test_fp8_tp_matches_single_rank_and_gathers_fp8(tp, fp8_reference):
         # each quantized column-parallel input (qkv, gate_up per layer) is gathered as FP8 + its per-token scale
         cfg = get_preset("tiny-fp8")
         assert sorted(s[3] for s in gathers) == sorted(["float8_e4m3fn", "float32"] * 2 * cfg.num_layers)
+        # async TP: each FP8 gather pair + its scaled matmul, and each scaled matmul + reduce-scatter, fused
+        fused = [s[2].split(",")[0] for s in out["sites"] if s[1] == "fused"]
+        assert sum(f.startswith("tpweave::ag_scaled_mm") for f in fused) == 2 * cfg.num_layers
+        assert sum(f.startswith("tpweave::scaled_mm_rs") for f in fused) == 2 * cfg.num_layers
 
 
 def test_fp8_checkpoint_per_tensor_and_static_scales(tmp_path):

@@ -82,6 +82,45 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
         report.add("all_gather+matmul", fused, "fused", f"tpweave::ag_mm over {len(users)} matmul(s) [{names}], policy {policy!r}")
 
 
+def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+    """FP8: gather(x_fp8) and gather(x_scale) feeding tpweave::scaled_mm(s) -> one tpweave::ag_scaled_mm."""
+    edit = GraphEditor(graph)
+    groups: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
+    for mm in [n for n in graph.nodes if n.target is tpw.scaled_mm.default]:
+        x, _, scale = mm.args[:3]
+        gathers = (x, scale)
+        if all(isinstance(g, fx.Node) and g.target is tpw.all_gather_tokens.default for g in gathers) and x.args[1:] == scale.args[1:]:
+            groups.setdefault(gathers, []).append(mm)
+    for (ag_x, ag_s), mms in groups.items():
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        mms.sort(key=lambda n: order[n])
+        first = mms[0]
+        mms = [mm for mm in mms if all(a is None or _hoist(a, first, order) for a in (mm.args[1], mm.args[3], mm.args[4]))]
+        if not mms or val(ag_x.args[0]).dim() != 2:
+            report.add("all_gather", ag_x, "left alone", "FP8 shard is not (rows, K) or its weights come later")
+            continue
+        _, token_sizes, group_name, world_size = ag_x.args
+        policy = policy_for("ag_scaled_mm", int(val(ag_x).shape[-1]), sum(int(val(mm.args[1]).shape[0]) for mm in mms))
+        args = (ag_x.args[0], ag_s.args[0], [mm.args[1] for mm in mms], [mm.args[3] for mm in mms], [mm.args[4] for mm in mms],
+                token_sizes, group_name, world_size, mms[0].args[5], policy)
+        fused = edit.insert(tpw.ag_scaled_mm.default, args, before=first)
+        with graph.inserting_after(fused):
+            outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(mms) + 2)]
+        for i, o in enumerate(outs):
+            o.meta["val"] = val(fused)[i]
+        for i, mm in enumerate(mms, start=2):
+            mm.replace_all_uses_with(outs[i])
+            graph.erase_node(mm)
+        for g, o in ((ag_x, outs[0]), (ag_s, outs[1])):
+            g.replace_all_uses_with(o)
+            graph.erase_node(g)
+        for o in outs:
+            if not o.users:
+                graph.erase_node(o)
+        names = ", ".join(mm.name for mm in mms)
+        report.add("all_gather+scaled_matmul", fused, "fused", f"tpweave::ag_scaled_mm over {len(mms)} FP8 matmul(s) [{names}], policy {policy!r}")
+
+
 def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
     for rs in [n for n in graph.nodes if n.target is tpw.reduce_scatter_tokens.default]:
@@ -89,12 +128,18 @@ def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, i
         src, view = x, None
         if src.target in VIEW_OPS and len(src.users) == 1:
             src, view = src.args[0], src
-        if src.target is not aten.mm.default or len(src.users) != 1:
+        scaled = src.target is tpw.scaled_mm.default and src.args[4] is None  # FP8, no bias
+        if not (src.target is aten.mm.default or scaled) or len(src.users) != 1:
             report.add("reduce_scatter", rs, "left alone", f"input {x.name} is not a matmul used only here")
             continue
-        a, w = src.args
-        policy = policy_for("mm_rs", int(val(w).shape[0]), int(val(w).shape[1]))
-        fused = edit.insert(tpw.mm_rs.default, (a, w, group_name, world_size, policy), before=rs)
+        if scaled:
+            a, w, a_scale, w_scale, _, out_dtype = src.args
+            policy = policy_for("scaled_mm_rs", int(val(w).shape[1]), int(val(w).shape[0]))
+            fused = edit.insert(tpw.scaled_mm_rs.default, (a, a_scale, w, w_scale, group_name, world_size, out_dtype, policy), before=rs)
+        else:
+            a, w = src.args
+            policy = policy_for("mm_rs", int(val(w).shape[0]), int(val(w).shape[1]))
+            fused = edit.insert(tpw.mm_rs.default, (a, w, group_name, world_size, policy), before=rs)
         if not same_sizes(val(fused).shape, val(rs).shape):
             graph.erase_node(fused)
             report.add("reduce_scatter", rs, "left alone", "matmul rows do not match the scattered tokens")
@@ -103,4 +148,4 @@ def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, i
         for n in (rs, view, src):
             if n is not None and not n.users:
                 graph.erase_node(n)
-        report.add("matmul+reduce_scatter", fused, "fused", f"tpweave::mm_rs, policy {policy!r}")
+        report.add("matmul+reduce_scatter", fused, "fused", f"tpweave::{'scaled_mm_rs' if scaled else 'mm_rs'}, policy {policy!r}")

@@ -47,7 +47,9 @@ class PassOptions:
     cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
 
     def policy(self, kind: str, k: int, n: int) -> str:
-        default = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy}.get(kind, self.all_reduce_policy)
+        # FP8 sites stay sequential unless a calibration table lists a measured strategy for them
+        defaults = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy, "all_reduce": self.all_reduce_policy}
+        default = defaults.get(kind, "sequential")
         return self.policy_string(dict(self.site_policies).get(f"{kind}:{k}x{n}", default))
 
     def policy_string(self, policy: str) -> str:
@@ -75,6 +77,7 @@ class TPWeavePass(CustomGraphPass):
             sequence_parallel.SequenceParallelPass(graph, self.sp_cfg, self.report).run()
             logger.debug("[%s] graph after sequence_parallel:\n%s", self.report.variant, graph)
             if self.options.async_tp:
+                async_tp.fuse_all_gather_scaled_matmuls(graph, policy_for=self.options.policy, report=self.report)
                 async_tp.fuse_all_gather_matmuls(graph, policy_for=self.options.policy, report=self.report)
                 async_tp.fuse_matmul_reduce_scatters(graph, policy_for=self.options.policy, report=self.report)
                 logger.debug("[%s] graph after async_tp:\n%s", self.report.variant, graph)
@@ -160,8 +163,8 @@ class CompiledTP:
     def strategies_at(self, num_tokens: int) -> set[str]:
         """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
         opts = self.options[self.variant_for(num_tokens)]
-        kinds = ("ag_mm", "mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce",)
-        policies = [{"ag_mm": opts.ag_mm_policy, "mm_rs": opts.mm_rs_policy, "all_reduce": opts.all_reduce_policy}[k] for k in kinds]
+        kinds = ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce",)
+        policies = [opts.policy(k, -1, -1) for k in kinds]  # the defaults (no site has shape -1)
         policies += [p for site, p in opts.site_policies if site.split(":")[0] in kinds]
         names = set()
         for policy in policies:

@@ -59,8 +59,10 @@ def scaled_mm(x_fp8_MK: Tensor, w_fp8_NK: Tensor, x_scale_M1: Tensor, w_scale_N:
     row-wise scaled FP8 matmuls, else emulated (dequantize, matmul in fp32). One opaque op: traced,
     torch._scaled_mm's size checks would specialize M == 1 and compile a second graph."""
     # Row-wise scaled FP8 matmuls produce bf16 (CUDA supports no other output with row-wise scales).
+    # The scales must be strided (1, 1) even in their size-1 dims, which .contiguous() does not ensure.
     if out_dtype == torch.bfloat16 and has_scaled_mm(x_fp8_MK.device.type):
-        y = torch._scaled_mm(x_fp8_MK, w_fp8_NK.t(), scale_a=x_scale_M1.contiguous(), scale_b=w_scale_N.reshape(1, -1).contiguous(),
+        y = torch._scaled_mm(x_fp8_MK, w_fp8_NK.t(), scale_a=x_scale_M1.reshape(-1).contiguous().unsqueeze(1),
+                             scale_b=w_scale_N.reshape(-1).contiguous().unsqueeze(0),
                              out_dtype=out_dtype)
     else:
         y = ((x_fp8_MK.float() * x_scale_M1) @ (w_fp8_NK.float() * w_scale_N.view(-1, 1)).t()).to(out_dtype)

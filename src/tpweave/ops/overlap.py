@@ -25,6 +25,8 @@ class Strategy:
     ag_mm: Callable[..., list[Tensor]] | None = None
     mm_rs: Callable[..., Tensor] | None = None
     all_reduce: Callable[..., Tensor] | None = None
+    ag_scaled_mm: Callable[..., list[Tensor]] | None = None  # FP8: gather (x, x_scale), scaled matmul(s)
+    scaled_mm_rs: Callable[..., Tensor] | None = None
     available: Callable[[Tensor], bool] = lambda x: True
     # False: keeps symmetric-memory state that Inductor's CUDA graph trees would allocate inside their
     # pool on the first (recording) call and then reject ("tensors in the cudagraph pool not tracked").
@@ -109,6 +111,46 @@ def mm_rs(a: Tensor, weight: Tensor, group_name: str, world_size: int, policy: s
 @mm_rs.register_fake
 def _(a, weight, group_name, world_size, policy):
     return a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[1])
+
+
+@torch.library.custom_op("tpweave::ag_scaled_mm", mutates_args=())
+def ag_scaled_mm(
+    x_local: Tensor,
+    x_scale_local: Tensor,
+    weights: list[Tensor],
+    w_scales: list[Tensor],
+    biases: list[Optional[Tensor]],
+    token_sizes: list[int],
+    group_name: str,
+    world_size: int,
+    out_dtype: torch.dtype,
+    policy: str,
+) -> list[Tensor]:
+    """FP8 ag_mm: [A, A_scale, scaled_mm(A, W_0, A_scale, w_scale_0) (+ b_0), ...] with A (N, K) FP8 and
+    A_scale (N, 1) gathered from the token shards; W_i (N_i, K) FP8, w_scale_i (N_i,)."""
+    strategy = pick(policy, math.prod(token_sizes), x_local, "ag_scaled_mm")
+    return strategy.ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype)
+
+
+@ag_scaled_mm.register_fake
+def _(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, policy):
+    num_tokens = math.prod(token_sizes)
+    return [x_local.new_empty(*token_sizes, *x_local.shape[1:]), x_scale_local.new_empty(*token_sizes, *x_scale_local.shape[1:])] + [
+        x_local.new_empty(num_tokens, w.shape[0], dtype=out_dtype) for w in weights
+    ]
+
+
+@torch.library.custom_op("tpweave::scaled_mm_rs", mutates_args=())
+def scaled_mm_rs(a: Tensor, a_scale: Tensor, weight: Tensor, w_scale: Tensor, group_name: str, world_size: int,
+                 out_dtype: torch.dtype, policy: str) -> Tensor:
+    """reduce_scatter_tokens(scaled_mm(a, weight, a_scale, w_scale)): this rank's (ceil(N/TP), N_out) rows of the sum."""
+    strategy = pick(policy, a.shape[0], a, "scaled_mm_rs")
+    return strategy.scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
+
+
+@scaled_mm_rs.register_fake
+def _(a, a_scale, weight, w_scale, group_name, world_size, out_dtype, policy):
+    return a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[0], dtype=out_dtype)
 
 
 @torch.library.custom_op("tpweave::all_reduce", mutates_args=())

@@ -18,10 +18,24 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.tpweave.reduce_scatter_tokens(a @ weight, 1, group_name, world_size)
 
 
+def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype):
+    gather = torch.ops.tpweave.all_gather_tokens
+    a, a_scale = (gather(t, token_sizes, group_name, world_size) for t in (x_local, x_scale_local))
+    a2, s2 = a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, 1)
+    outs = [torch.ops.tpweave.scaled_mm(a2, w, s2, ws, b, out_dtype) for w, ws, b in zip(weights, w_scales, biases)]
+    return [a, a_scale, *outs]
+
+
+def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    y = torch.ops.tpweave.scaled_mm(a, weight, a_scale, w_scale, None, out_dtype)
+    return torch.ops.tpweave.reduce_scatter_tokens(y, 1, group_name, world_size)
+
+
 def all_reduce(x, group_name, world_size):
     from tpweave.ops.collectives import all_reduce as funcol_all_reduce
 
     return funcol_all_reduce(x, group_name)
 
 
-SEQUENTIAL = register(Strategy("sequential", ag_mm=ag_mm, mm_rs=mm_rs, all_reduce=all_reduce))
+SEQUENTIAL = register(Strategy("sequential", ag_mm=ag_mm, mm_rs=mm_rs, all_reduce=all_reduce, ag_scaled_mm=ag_scaled_mm,
+                               scaled_mm_rs=scaled_mm_rs))

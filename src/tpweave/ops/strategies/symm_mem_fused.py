@@ -42,4 +42,30 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, weight, "sum", 0, group_name)
 
 
-SYMM_MEM_FUSED = register(Strategy("symm_mem_fused", ag_mm=ag_mm, mm_rs=mm_rs, available=_available, cudagraph_trees_safe=False))
+def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype):
+    """torch's fused_all_gather_scaled_matmul: FP8 rows and their row-wise scales gathered while the
+    scaled matmuls of the chunks that arrived run. Not yet measured on a GPU: policies choose it
+    only where a calibration table does."""
+    _enable(group_name)
+    num_tokens = math.prod(token_sizes)
+    a_full, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+        x_local.contiguous(), [w.t() for w in weights], x_scale_local.contiguous(), [s.reshape(1, -1).contiguous() for s in w_scales],
+        0, group_name, list(biases), [None] * len(weights), [out_dtype] * len(weights), [False] * len(weights),
+    )
+    a_scale = torch.ops.tpweave.all_gather_tokens(x_scale_local, token_sizes, group_name, world_size)
+    return [a_full[:num_tokens].reshape(*token_sizes, x_local.shape[-1]), a_scale, *[o[:num_tokens] for o in outs]]
+
+
+def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    _enable(group_name)
+    pad = (-a.shape[0]) % world_size
+    if pad:
+        a, a_scale = F.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(a.dtype), F.pad(a_scale, (0, 0, 0, pad), value=1.0)
+    return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+        a, weight.t(), a_scale.contiguous(), w_scale.reshape(1, -1).contiguous(), "sum", 0, 0, group_name, [a.shape[0], weight.shape[0]],
+        None, None, out_dtype, False,
+    )
+
+
+SYMM_MEM_FUSED = register(Strategy("symm_mem_fused", ag_mm=ag_mm, mm_rs=mm_rs, ag_scaled_mm=ag_scaled_mm, scaled_mm_rs=scaled_mm_rs,
+                                           available=_available, cudagraph_trees_safe=False))
