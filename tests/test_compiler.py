@@ -25,7 +25,7 @@ def _close(a, b, dtype):
     return (a - b).abs().max().item() <= TOL[dtype] * max(1.0, b.abs().max().item())
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
 def test_llama_sp_async_tp_equals_eager_and_single_rank(tp, reference_logits):
     results = tpweave.launch(workers.llama_compiled_outputs, "tiny", TOKEN_COUNTS, ("float32", "bfloat16"), nprocs=tp)
     for rank_out in results:
