@@ -25,9 +25,26 @@ def test_every_strategy_matches_sequential():
             for name in names:
                 for got, want in zip(rank_out[(name, m)], ref):
                     torch.testing.assert_close(got, want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
+            fp8_names = {key[0] for key in rank_out if len(key) == 3 and key[2] == "fp8"}
+            assert {"sequential", "symm_mem_fused"} <= fp8_names
+            for name in fp8_names:  # FP8 gathers are exact; the scaled matmuls within FP8 matmul rounding
+                for got, want in zip(rank_out[(name, m, "fp8")], rank_out[("sequential", m, "fp8")]):
+                    torch.testing.assert_close(got, want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
             want = rank_out[("nccl", m, "all_reduce")]
             for name in reducers:
                 torch.testing.assert_close(rank_out[(name, m, "all_reduce")], want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
+
+
+def test_fp8_model_compiled_matches_unfused():
+    """llama3-8b-fp8 (2 layers): SP + async TP (FP8 gathers, scaled matmuls through torch._scaled_mm)
+    against the eager FP8 model, within FP8 tolerance, one graph for every M."""
+    counts = [1, 7, 512, 4096]
+    out = tpweave.launch(workers.fp8_outputs, "llama3-8b-fp8", counts, num_layers=2, nprocs=GPU_RANKS, backend="nccl")
+    for rank_out in out:
+        assert rank_out["num_compiles"] == 1
+        for m in counts:
+            got, want = rank_out[(m, "compiled")], rank_out[(m, "eager")]
+            assert (got - want).abs().max().item() <= 0.1 * want.abs().max().item(), m
 
 
 def test_piecewise_cudagraphs_after_rewrite():

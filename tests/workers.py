@@ -233,6 +233,16 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
                 ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, None], [m], ctx.group_name, ctx.world_size, name)
                 rs = torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, ctx.world_size, name)
                 out[(name, m)] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
+            if strategy.ag_scaled_mm is not None and dtype == torch.bfloat16:
+                from tpweave.ops import fp8
+
+                xq, xs = fp8.quantize_rows(x_local)
+                wq, ws = fp8.quantize_weight(w.t(), per_channel=True)
+                aq, as_ = fp8.quantize_rows(a)
+                w2q, w2s = fp8.quantize_weight(w2.t(), per_channel=True)
+                ag = torch.ops.tpweave.ag_scaled_mm(xq, xs, [wq], [ws], [None], [m], ctx.group_name, ctx.world_size, dtype, name)
+                rs = torch.ops.tpweave.scaled_mm_rs(aq, as_, w2q, w2s, ctx.group_name, ctx.world_size, dtype, name)
+                out[(name, m, "fp8")] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
             if strategy.all_reduce is not None:
                 out[(name, m, "all_reduce")] = torch.ops.tpweave.all_reduce(a, ctx.group_name, ctx.world_size, name).float().cpu()
         out[("nccl", m, "all_reduce")] = collectives.all_reduce(a.clone(), ctx.group_name).float().cpu()
