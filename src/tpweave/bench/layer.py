@@ -118,10 +118,12 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
             elif site.kind == "mm_rs":
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
                 fns = {n: (lambda n=n: torch.ops.tpweave.mm_rs(a_full, w, ctx.group_name, ctx.world_size, n)) for n in names}
+            elif site.kind in ("ag_scaled_mm", "scaled_mm_rs"):
+                fns, a_full = _fp8_site_arms(ctx, site, m, names, w, dtype)
             else:
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
                 fns = {n: (lambda n=n: torch.ops.tpweave.all_reduce(a_full, ctx.group_name, ctx.world_size, n)) for n in names}
-            if site.kind != "all_reduce":  # an all-reduce has no compute to hide behind
+            if site.kind in ("ag_mm", "mm_rs"):  # an all-reduce has no compute to hide behind
                 fns["compute_only"] = lambda: a_full @ w
             timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup, inner=settings.inner)
             seq = timings["sequential"].median_ms
@@ -132,6 +134,24 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
                     "vs_sequential": seq / t.median_ms, "hidden": hidden_fraction(t.median_ms, seq, comp), "spread": t.spread,
                 })
     return rows
+
+
+def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_KN: torch.Tensor, dtype: torch.dtype):
+    """Arms of an FP8 site (quantized operands, per-token and per-channel scales) and its compute-only matmul."""
+    from tpweave.ops import fp8
+
+    wq, w_scale = fp8.quantize_weight(w_KN.t(), per_channel=True)
+    group, ws = ctx.group_name, ctx.world_size
+    if site.kind == "ag_scaled_mm":
+        xq, x_scale = fp8.quantize_rows(torch.randn(-(-m // ws), site.k, device=ctx.device, dtype=dtype))
+        fns = {n: (lambda n=n: torch.ops.tpweave.ag_scaled_mm(xq, x_scale, [wq], [w_scale], [None], [m], group, ws, dtype, n))
+               for n in names}
+    else:
+        xq, x_scale = fp8.quantize_rows(torch.randn(m, site.k, device=ctx.device, dtype=dtype))
+        fns = {n: (lambda n=n: torch.ops.tpweave.scaled_mm_rs(xq, x_scale, wq, w_scale, group, ws, dtype, n)) for n in names}
+    aq, a_scale = fp8.quantize_rows(torch.randn(m, site.k, device=ctx.device, dtype=dtype))
+    fns["compute_only"] = lambda: torch.ops.tpweave.scaled_mm(aq, wq, a_scale, w_scale, None, dtype)
+    return fns, aq
 
 
 def _progress(items, ctx: TPContext, desc: str):

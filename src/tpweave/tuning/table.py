@@ -35,12 +35,14 @@ class SiteShape:
 def site_shapes(cfg: ModelConfig, tp: int) -> list[SiteShape]:
     H, D = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D // tp
+    # FP8 models: the decoder's linears are scaled matmuls (the LM head stays in the model dtype)
+    ag, rs = ("ag_scaled_mm", "scaled_mm_rs") if cfg.quantization == "fp8" else ("ag_mm", "mm_rs")
     return [
-        SiteShape("ag_mm", H, qkv),
-        SiteShape("ag_mm", H, 2 * cfg.intermediate_size // tp),
+        SiteShape(ag, H, qkv),
+        SiteShape(ag, H, 2 * cfg.intermediate_size // tp),
         SiteShape("ag_mm", H, cfg.vocab_size // tp),
-        SiteShape("mm_rs", cfg.num_heads * D // tp, H),
-        SiteShape("mm_rs", cfg.intermediate_size // tp, H),
+        SiteShape(rs, cfg.num_heads * D // tp, H),
+        SiteShape(rs, cfg.intermediate_size // tp, H),
         SiteShape("all_reduce", H, H),
     ]
 
