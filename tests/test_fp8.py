@@ -65,6 +65,15 @@ def test_fp8_tp_matches_single_rank_and_gathers_fp8(tp, fp8_reference):
         assert sum(f.startswith("tpweave::scaled_mm_rs") for f in fused) == 2 * cfg.num_layers
 
 
+def test_fp8_halves_the_all_gathered_bytes():
+    bf16 = tpweave.launch(workers.fp8_outputs, "tiny", [8], nprocs=2)[0]["gathered_bytes_per_token"]
+    fp8_bytes = tpweave.launch(workers.fp8_outputs, "tiny-fp8", [8], nprocs=2)[0]["gathered_bytes_per_token"]
+    cfg = get_preset("tiny")
+    # per layer 2 gathers (qkv and gate/up inputs) of H values, + the final norm's H values for the LM head (bf16 in both)
+    assert bf16 == (2 * cfg.num_layers + 1) * cfg.hidden_size * 2
+    assert fp8_bytes == 2 * cfg.num_layers * (cfg.hidden_size * 1 + 4) + cfg.hidden_size * 2  # FP8 rows + an fp32 scale
+
+
 def test_fp8_checkpoint_per_tensor_and_static_scales(tmp_path):
     cfg = get_preset("tiny-fp8").replace(activation_scheme="static")
     state = random_hf_state(cfg, seed=3, dtype=torch.bfloat16)

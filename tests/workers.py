@@ -329,5 +329,6 @@ def fp8_outputs(ctx, source, token_counts, compile_model=True, **overrides):
     if compiled is not None:
         rep = tpweave.report(compiled)
         out["sites"] = [(s.kind, s.action, s.reason, s.dtype) for g in rep.graphs for s in g.sites]
+        out["gathered_bytes_per_token"] = sum(g.gathered_bytes_per_token for g in rep.graphs)
         out["num_compiles"] = rep.num_compiles
     return out

@@ -1,6 +1,7 @@
 """What the passes did to one compiled graph, and why they left a site alone."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,7 @@ class Site:
     action: str  # what it became: "sequence-parallel", "fused", "left alone", ...
     reason: str = ""
     dtype: str = ""  # of the communicated tensor
+    row_bytes: int | None = None  # bytes per token row (all but the leading dim), when static
 
     def __str__(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
@@ -30,12 +32,22 @@ class GraphReport:
         val = node.meta.get("val") if hasattr(node, "meta") else None
         shape = tuple(val.shape) if hasattr(val, "shape") else ()
         dtype = str(val.dtype).removeprefix("torch.") if hasattr(val, "dtype") else ""
-        site = Site(kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason, dtype)
+        row_bytes = None
+        if len(shape) >= 1 and all(isinstance(d, int) for d in shape[1:]):
+            row_bytes = math.prod(shape[1:]) * val.dtype.itemsize
+        site = Site(kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason, dtype, row_bytes)
         self.sites.append(site)
         return site
 
+    @property
+    def gathered_bytes_per_token(self) -> int:
+        """Bytes every token moves through the all-gathers the SP pass inserted (per forward)."""
+        return sum(s.row_bytes or 0 for s in self.sites if s.kind == "all_gather" and s.action == "inserted")
+
     def __str__(self) -> str:
         lines = [f"[{self.variant}] collectives before: {self.counts_before}  after: {self.counts_after}"]
+        if self.gathered_bytes_per_token:
+            lines.append(f"  all-gathered bytes per token: {self.gathered_bytes_per_token}")
         lines += [f"  {s}" for s in self.sites]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
