@@ -133,6 +133,11 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
     records: list[dict[str, Any]] = []
     active: list[tuple[Any, dict[str, Any]]] = []
     clock = _Clock(ctx)
+    progress = None
+    if ctx.rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(requests), desc="requests", leave=False)
     while pending or active:
         now = clock.now()
         while pending and pending[0].arrival_s <= now:
@@ -145,6 +150,8 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
                 active.append((seq, rec))
             except ValueError as e:
                 rec["error"] = str(e)
+                if progress is not None:
+                    progress.update(1)
         if not active:
             if pending:
                 time.sleep(max(0.0, pending[0].arrival_s - now))
@@ -158,7 +165,11 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
                 rec["error"] = seq.error
             elif seq.finish_reason is None:
                 still.append((seq, rec))
+        if progress is not None:
+            progress.update(len(active) - len(still))
         active = still
+    if progress is not None:
+        progress.close()
     return records
 
 

@@ -54,6 +54,9 @@ def _worker(rank: int, nprocs: int, port: int, backend: str, collective_timeout_
         results.put((rank, "error", traceback.format_exc()))
         return
     try:
+        # Leave together: rank 0 hosts the store, and a peer still tearing down after it exits logs
+        # heartbeat errors. (A failed rank never gets here; the caller then kills the others.)
+        torch.distributed.barrier()
         destroy_distributed()
     except Exception:
         pass
