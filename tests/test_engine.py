@@ -79,3 +79,23 @@ def test_gpu_llama3_8b_tokens_tp2_equal_tp1_with_cuda_graph_decode():
         assert len(g["token_ids"]) == 64
         for tok, want, margin in zip(g["token_ids"], argmax, margins):
             assert tok == want or margin < 0.25, (tok, want, margin)
+
+
+def test_decode_buckets_and_padded_graph_inputs():
+    from tpweave.engine.block_manager import slot_of
+    from tpweave.engine.model_runner import ModelRunner, decode_buckets
+    from tpweave.engine.scheduler import ScheduledChunk
+    from tpweave.engine.sequence import Sequence
+
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(1) == [1] and decode_buckets(5) == [1, 2, 4, 5] and decode_buckets(20) == [1, 2, 4, 8, 16, 20]
+    runner = ModelRunner(tpweave.TPContext.single(), "tiny", dtype=torch.float32, seed=0, block_size=4, num_blocks=8,
+                         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, compile_model=False)
+    assert runner.model.model.layers[0].self_attn.k_cache.shape[0] == (8 + 1) * 4  # + the pad block
+    seqs = [Sequence([1, 2, 3, 4, 5]), Sequence([7, 8])]
+    seqs[0].block_table, seqs[1].block_table = [3, 5], [0]
+    chunks = [ScheduledChunk(seqs[0], 4, 1), ScheduledChunk(seqs[1], 1, 1)]
+    ids, pos, slots, ctx_lens, tables = runner._decode_host_inputs(chunks, 4)
+    assert ids.tolist() == [5, 8, 0, 0] and pos.tolist() == [4, 1, 0, 0] and ctx_lens.tolist() == [5, 2, 1, 1]
+    assert slots.tolist() == [slot_of([3, 5], 4, 4), slot_of([0], 1, 4), 8 * 4, 8 * 4]  # pad rows write the pad block
+    assert tables.shape == (4, 8) and tables[0, :2].tolist() == [3, 5] and (tables[2:] == 8).all()

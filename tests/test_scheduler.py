@@ -111,3 +111,36 @@ def test_request_that_outgrows_the_cache_fails_instead_of_stalling():
     assert small.status is SequenceStatus.FINISHED
     assert big.status is SequenceStatus.FAILED and "KV blocks" in big.error
     assert bm.num_free == bm.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_arrivals_never_lose_or_stall(seed):
+    """Requests arriving between steps, tight cache and budget: every request ends finished with the
+    reference text or failed with an error, and every KV block comes back."""
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks=rng.randint(6, 24), block_size=rng.choice([1, 2, 4, 8]))
+    sched = Scheduler(block_manager=blocks, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24), max_model_len=64)
+    pending = [Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12)))
+               for _ in range(20)]
+    added, steps = [], 0
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                seq = pending.pop()
+                try:
+                    sched.add(seq)
+                    added.append(seq)
+                except ValueError:
+                    pass
+        out = sched.schedule()
+        steps += 1
+        assert steps < 5000, "scheduler stalled"
+        nxt = {c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples}
+        sched.postprocess(out, nxt)
+    assert blocks.num_free == blocks.num_blocks and all(r == 0 for r in blocks.ref_counts)
+    for seq in added:
+        assert seq.status in (SequenceStatus.FINISHED, SequenceStatus.FAILED)
+        if seq.status is SequenceStatus.FINISHED:
+            assert seq.output_token_ids == reference_output(seq.prompt_token_ids, seq.params)
+        else:
+            assert seq.error
