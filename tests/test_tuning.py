@@ -114,6 +114,12 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "TP=5 does not divide" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["bench", "layer", "--tokens", "0,4"])
+    assert cli_main(["bench", "latency", "--model", "tiny", "--prefill", "1x5000", "--decode", "1x64"]) == 2
+    assert "lengths [(1, 5000)] exceed the model's 4096 positions" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "latency", "--prefill", "2x"])
+    assert cli_main(["bench", "serve", "--model", "tiny", "--arms", "fast"]) == 2
+    assert "--arms takes baseline and/or auto" in capsys.readouterr().err
 
 
 def test_strategies_with_symmetric_state_are_kept_out_of_inductor_cudagraphs():

@@ -163,6 +163,9 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args.model)
     cfg.check_tp(args.tp)
+    too_long = [p for p in args.prefill + args.decode if p[1] > cfg.max_position_embeddings]
+    if too_long:
+        raise ValueError(f"lengths {too_long} exceed the model's {cfg.max_position_embeddings} positions")
     settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
     rows, kernels, problems, calibrated = launch(
         _bench_latency_worker, args.model, args.dtype, args.layers, args.prefill, args.decode, settings, not args.no_verify,
@@ -183,10 +186,10 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, seed):
     from tpweave.bench.serve import release_engine, run_requests, summarize, warm_up
+    from tpweave.bench.timing import allow_many_compiles
     from tpweave.engine import LLMEngine
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    allow_many_compiles()
     rows, records = [], {}
     for arm in arms:
         engine = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs)

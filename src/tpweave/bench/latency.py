@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from tpweave.bench.kernels import check, expected_categories, profile_kernels
 from tpweave.bench.layer import BenchSettings, _progress, hidden_fraction
-from tpweave.bench.timing import time_arms
+from tpweave.bench.timing import allow_many_compiles, time_arms
 from tpweave.models import build_model, resolve_config
 from tpweave.models.config import DTYPES
 from tpweave.models.llama import LlamaForCausalLM
@@ -37,14 +36,6 @@ def no_comm_twin(model: LlamaForCausalLM, ctx: TPContext) -> LlamaForCausalLM:
         for bname, buf in list(src[name].named_buffers(recurse=False)):
             setattr(module, bname, buf)
     return twin.eval()
-
-
-def set_kv_cache(model: nn.Module, num_slots: int, *, ctx: TPContext, dtype: torch.dtype) -> None:
-    cfg = model.config
-    shape = (num_slots, cfg.num_kv_heads // ctx.world_size, cfg.head_dim)
-    for layer in model.model.layers:
-        layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=ctx.device)
-        layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=ctx.device)
 
 
 def build_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int | None, table, arms=ARMS):
@@ -102,8 +93,7 @@ def bench_latency(ctx: TPContext, model: str, *, dtype_name: str, num_layers: in
     """prefill: (batch, input length) pairs; decode: (batch, context length) pairs. Returns rows,
     kernel counts per (phase, arm) at the largest M of each phase, and verification problems."""
     dtype = DTYPES[dtype_name]
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    allow_many_compiles()
     cfg, tp_model, variants = build_arms(ctx, model, dtype=dtype, num_layers=num_layers, table=table)
     arms = list(variants)
     dev = ctx.device
@@ -125,10 +115,10 @@ def bench_latency(ctx: TPContext, model: str, *, dtype_name: str, num_layers: in
             problems += found
     if decode:
         num_slots = max(b * -(-c // block_size) * block_size for b, c in decode) + block_size
-        set_kv_cache(tp_model, num_slots, ctx=ctx, dtype=dtype)
+        tp_model.set_kv_cache(num_slots)
         for v in variants.values():  # the compute-only twin shares the cache too
-            for mine, theirs in zip(v.module.model.layers, tp_model.model.layers):
-                mine.self_attn.k_cache, mine.self_attn.v_cache = theirs.self_attn.k_cache, theirs.self_attn.v_cache
+            if v.module is not tp_model:
+                v.module.set_kv_cache(None, share_with=tp_model)
     for batch, context in _progress(sorted(decode, key=lambda p: (-p[0], -p[1])), ctx, "decode"):
         width = -(-context // block_size)
         tables = torch.arange(batch * width, dtype=torch.int32, device=dev).view(batch, width)

@@ -192,8 +192,7 @@ def release_engine(engine) -> None:
     runner = engine.runner
     runner.graphs.clear()
     getattr(runner, "_static_out", {}).clear()
-    for layer in runner.model.model.layers:
-        layer.self_attn.k_cache = layer.self_attn.v_cache = None
+    runner.model.set_kv_cache(None)
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():

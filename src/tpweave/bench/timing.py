@@ -17,6 +17,13 @@ import torch
 import torch.distributed as dist
 
 
+def allow_many_compiles() -> None:
+    """Benchmarks compile the same forward once per arm and phase: more than Dynamo's default
+    recompile limit, which would silently fall back to eager for the later arms."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+
+
 @dataclass
 class ArmTiming:
     median_ms: float

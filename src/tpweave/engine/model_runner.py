@@ -35,17 +35,13 @@ class ModelRunner:
                  gpu_memory_utilization: float = 0.9, **overrides):
         self.ctx, self.block_size, self.dtype = ctx, block_size, dtype
         self.model = build_model(source, tp=ctx, dtype=dtype, seed=seed, **overrides)
-        cfg = self.model.config
         self.on_cuda = ctx.device.type == "cuda"
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         if num_blocks is None:
             num_blocks = self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization) if self.on_cuda else DEFAULT_CPU_BLOCKS
         self.num_blocks = num_blocks
         self.pad_block = num_blocks  # never handed out
-        shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads // ctx.world_size, cfg.head_dim)
-        for layer in self.model.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=ctx.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=ctx.device)
+        self.model.set_kv_cache((num_blocks + 1) * block_size)
         self.forward = self.model
         if compile_model and ctx.world_size > 1:
             import tpweave
@@ -68,9 +64,7 @@ class ModelRunner:
         kv_heads = cfg.num_kv_heads // self.ctx.world_size
         # A throwaway cache for one sequence of num_tokens: the warm-up runs the engine's code path.
         scratch = (-(-num_tokens // self.block_size)) * self.block_size
-        for layer in self.model.model.layers:
-            layer.self_attn.k_cache = torch.zeros(scratch, kv_heads, cfg.head_dim, dtype=self.dtype, device=dev)
-            layer.self_attn.v_cache = torch.zeros(scratch, kv_heads, cfg.head_dim, dtype=self.dtype, device=dev)
+        self.model.set_kv_cache(scratch)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -82,8 +76,7 @@ class ModelRunner:
             self.model(ids, pos, cu, pos, cu[1:], table, self.block_size, cu[1:] - 1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        for layer in self.model.model.layers:
-            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+        self.model.set_kv_cache(None)
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(dev).total_memory
         block_bytes = 2 * cfg.num_layers * self.block_size * kv_heads * cfg.head_dim * self.dtype.itemsize

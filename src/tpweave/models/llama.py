@@ -119,6 +119,22 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def set_kv_cache(self, num_slots: int | None, *, share_with: "LlamaForCausalLM | None" = None) -> None:
+        """Give every attention layer a paged KV cache of num_slots slots (None: drop it), in the
+        model's dtype on its device, or the very tensors of `share_with`."""
+        dtype = self.model.embed_tokens.weight.dtype
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            if share_with is not None:
+                other = share_with.model.layers[i].self_attn
+                attn.k_cache, attn.v_cache = other.k_cache, other.v_cache
+            elif num_slots is None:
+                attn.k_cache = attn.v_cache = None
+            else:
+                shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+                attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.tp.device)
+                attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.tp.device)
+
     def forward(
         self,
         input_ids_M: Tensor,
