@@ -166,10 +166,59 @@ def test_other_model_styles():
     results = tpweave.launch(workers.style_outputs, STYLES, counts, nprocs=3)
     for rank_out in results:
         for style in STYLES:
-            eager, compiled, (num_compiles, graphs, text) = rank_out[style]
+            eager, compiled, (num_compiles, graphs, text, _) = rank_out[style]
             assert num_compiles == 1, (style, text)
             [(before, after)] = graphs
             assert "all_reduce" not in after and before["all_reduce"] == after.get("mm_rs", 0) + after.get("reduce_scatter_tokens", 0)
+            for got_outs, eager_outs, ref_outs in zip(compiled, eager, reference[style][0]):
+                for got, want, ref in zip(got_outs, eager_outs, ref_outs):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
+                    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)
+
+
+FUSED_NORM = {"sp": False, "all_reduce_rms_norm_policy": "triton_ar_norm"}  # the composed path on CPU
+
+
+def test_plain_graph_fuses_all_reduce_residual_rms_norm(reference_logits):
+    """Plain TP graph: every all-reduce of the tiny Llama (embedding, o_proj, down_proj) and the add +
+    RMSNorm after it become one tpweave::all_reduce_rms_norm; logits equal eager TP and TP=1."""
+    counts = [1, 3, 64, 129]
+    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, ("float32", "bfloat16"), FUSED_NORM, nprocs=2)
+    for rank_out in results:
+        for dtype in ("float32", "bfloat16"):
+            assert rank_out[(dtype, "num_compiles")] == 1
+            [(variant, before, after, sites)] = rank_out[(dtype, "graphs")]
+            assert variant == "plain" and before["all_reduce"] == 2 * NUM_LAYERS + 1
+            assert after == {"all_reduce_rms_norm": 2 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
+            fused = [s for s in sites if s[:2] == ("all_reduce_rms_norm", "fused")]
+            assert len(fused) == 2 * NUM_LAYERS + 1
+            assert sum("residual add" in s[2] for s in fused) == 2 * NUM_LAYERS  # the embedding's has no residual
+            order = "weight in fp32" if dtype == "float32" else "weight after the cast"
+            assert all(order in s[2] for s in fused)
+            for m in counts:
+                got = rank_out[(dtype, m, "compiled")]
+                assert _close(got, rank_out[(dtype, m, "eager")], dtype), (dtype, m)
+                assert _close(got, reference_logits[(dtype, m)], dtype), (dtype, m)
+
+
+def test_all_reduce_norm_fusion_across_styles():
+    """Which styles fuse (RMSNorm in the Llama, Gemma (1 + w) and F.rms_norm forms, with or without a
+    residual add) and which are left alone with a reason (LayerNorm); numbers equal eager TP and TP=1."""
+    from style_models import STYLES
+
+    counts = [1, 5, 33]
+    reference = tpweave.launch(workers.style_outputs, STYLES, counts, False, nprocs=1)[0]
+    results = tpweave.launch(workers.style_outputs, STYLES, counts, True, FUSED_NORM, nprocs=2)
+    expect_fused = {"postnorm": 0, "parallel": 1, "gemma": 2, "fused_residual": 2, "funcol": 2}
+    for rank_out in results:
+        for style in STYLES:
+            eager, compiled, (num_compiles, [(before, after)], text, sites) = rank_out[style]
+            norm_sites = [s for s in sites if s[0] == "all_reduce_rms_norm"]
+            assert sum(s[1] == "fused" for s in norm_sites) == expect_fused[style], (style, text)
+            assert after.get("all_reduce_rms_norm", 0) == expect_fused[style]
+            assert after.get("all_reduce", 0) == before["all_reduce"] - expect_fused[style]
+            if style == "postnorm":
+                assert all(s[1:] == ("left alone", "no RMSNorm reads it") for s in norm_sites), text
             for got_outs, eager_outs, ref_outs in zip(compiled, eager, reference[style][0]):
                 for got, want, ref in zip(got_outs, eager_outs, ref_outs):
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)

@@ -61,10 +61,11 @@ def test_table_cache_roundtrip_corrupt_and_stale(tmp_path, monkeypatch, caplog):
 
 def test_site_shapes_of_llama3_8b():
     names = {s.name for s in site_shapes(get_preset("llama3-8b"), 2)}
-    assert names == {"ag_mm:4096x3072", "ag_mm:4096x14336", "ag_mm:4096x64128", "mm_rs:2048x4096", "mm_rs:7168x4096", "all_reduce:4096x4096"}
+    assert names == {"ag_mm:4096x3072", "ag_mm:4096x14336", "ag_mm:4096x64128", "mm_rs:2048x4096", "mm_rs:7168x4096", "all_reduce:4096x4096",
+                     "all_reduce_rms_norm:4096x4096"}
     fp8_names = {s.name for s in site_shapes(get_preset("llama3-8b-fp8"), 2)}  # scaled matmuls; the LM head stays bf16
     assert fp8_names == {"ag_scaled_mm:4096x3072", "ag_scaled_mm:4096x14336", "ag_mm:4096x64128", "scaled_mm_rs:2048x4096",
-                         "scaled_mm_rs:7168x4096", "all_reduce:4096x4096"}
+                         "scaled_mm_rs:7168x4096", "all_reduce:4096x4096", "all_reduce_rms_norm:4096x4096"}
 
 
 def test_compile_follows_the_table():

@@ -250,7 +250,7 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
 
 
 @torch.no_grad()
-def style_outputs(ctx, styles, token_counts, compile_model=True):
+def style_outputs(ctx, styles, token_counts, compile_model=True, compile_kwargs=None):
     """{style: ([eager outputs], [compiled outputs], report)} for tests/style_models.StyleModel."""
     import tpweave
     from style_models import V, StyleModel
@@ -263,10 +263,11 @@ def style_outputs(ctx, styles, token_counts, compile_model=True):
         eager = [flat(model(ids)) for ids in inputs]
         compiled_out, rep = None, None
         if compile_model:
-            compiled = tpweave.compile(model, sp_min_tokens=0)
+            compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
             compiled_out = [flat(compiled(ids)) for ids in inputs]
             rep = tpweave.report(compiled)
-            rep = (rep.num_compiles, [(g.counts_before, g.counts_after) for g in rep.graphs], str(rep))
+            rep = (rep.num_compiles, [(g.counts_before, g.counts_after) for g in rep.graphs], str(rep),
+                   [(s.kind, s.action, s.reason) for g in rep.graphs for s in g.sites])
         results[style] = (eager, compiled_out, rep)
     return results
 
@@ -331,4 +332,52 @@ def fp8_outputs(ctx, source, token_counts, compile_model=True, **overrides):
         out["sites"] = [(s.kind, s.action, s.reason, s.dtype) for g in rep.graphs for s in g.sites]
         out["gathered_bytes_per_token"] = sum(g.gathered_bytes_per_token for g in rep.graphs)
         out["num_compiles"] = rep.num_compiles
+    return out
+
+
+@torch.no_grad()
+def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes):
+    """tpweave::all_reduce_rms_norm under every strategy that serves it vs NCCL all-reduce + the
+    reference add + norm; then the fused kernel captured in a CUDA graph and replayed on new data."""
+    from tpweave.ops import rms_norm
+    from tpweave.ops.overlap import STRATEGIES
+
+    names = [n for n, s in STRATEGIES.items() if (s.all_reduce_rms_norm or s.all_reduce) and s.available(torch.empty(0, device=ctx.device))]
+    out = {"names": names, "worst": {}, "ranks_equal": {}}
+    for hidden in hidden_sizes:
+        for m in token_counts:
+            gen = torch.Generator(device=ctx.device).manual_seed(m * 31 + hidden)
+            x = torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen) * (ctx.rank + 1)
+            res = torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen)
+            w = torch.rand(hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen) + 0.5
+            summed = collectives.all_reduce(x.clone(), ctx.group_name)
+            for residual in (res, None):
+                for in_fp32 in (False, True):
+                    want = rms_norm.add_rms_norm_reference(summed, residual, w, eps=1e-5, weight_in_fp32=in_fp32)
+                    for name in names:
+                        got = torch.ops.tpweave.all_reduce_rms_norm(x, residual, w, 1e-5, in_fp32, ctx.group_name, ctx.world_size, name)
+                        key = (name, hidden, m, residual is not None, in_fp32)
+                        out["worst"][key] = max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, want))
+                        gathered = collectives.all_gather_dim0(got[1].contiguous(), ctx.world_size, ctx.group_name)
+                        out["ranks_equal"][key] = bool((gathered.view(ctx.world_size, *got[1].shape) == got[1]).all())
+    # CUDA graph: the barrier protocol must survive replays (signal pads reset by every kernel)
+    m, hidden = 8, hidden_sizes[0]
+    x = torch.zeros(m, hidden, device=ctx.device, dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    w = torch.ones(hidden, device=ctx.device, dtype=torch.bfloat16)
+    op = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, res, w, 1e-5, False, ctx.group_name, ctx.world_size, "triton_ar_norm")  # noqa: E731
+    op()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_g, h_g = op()
+    worst = 0.0
+    for step in range(20):
+        gen = torch.Generator(device=ctx.device).manual_seed(1000 + step)
+        x.copy_(torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen) * (ctx.rank + 1))
+        res.copy_(torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        want = rms_norm.add_rms_norm_reference(collectives.all_reduce(x.clone(), ctx.group_name), res, w, eps=1e-5, weight_in_fp32=False)
+        worst = max(worst, float((y_g.float() - want[0].float()).abs().max()), float((h_g.float() - want[1].float()).abs().max()))
+    out["graph_worst"] = worst
     return out

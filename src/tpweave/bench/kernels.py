@@ -17,6 +17,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("nccl_reduce_scatter", re.compile(r"nccl.*ReduceScatter", re.I)),
     ("nccl_all_gather", re.compile(r"nccl.*AllGather", re.I)),
     ("nccl_other", re.compile(r"nccl", re.I)),
+    # tpweave's own communication kernels (ops/strategies/triton_*.py)
+    ("tpweave_comm", re.compile(r"_all_reduce_rms_norm_kernel")),
     # torch symm_mem: one/two-shot all-reduce kernels, barriers and signal kernels of the fused ops,
     # and the copy-engine peer copies of their pipelines
     ("symm_mem", re.compile(r"one_shot|two_shot|multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),
@@ -59,7 +61,7 @@ def profile_kernels(fn: Callable[[], Any], *, num_forwards: int = 2, trace_path:
         by_category[categorize(name)] += n
     per_forward = {k: v / num_forwards for k, v in sorted(by_category.items())}
     comm = {k: v / num_forwards for k, v in names.items() if categorize(k) in ("nccl_all_reduce", "nccl_reduce_scatter",
-                                                                             "nccl_all_gather", "nccl_other", "symm_mem")}
+                                                                             "nccl_all_gather", "nccl_other", "symm_mem", "tpweave_comm")}
     return {"per_forward": per_forward, "comm_kernels": dict(sorted(comm.items()))}
 
 
@@ -68,8 +70,14 @@ def expected_categories(arm: str, strategies: set[str], variant: str) -> dict[st
     if arm == "compute_only":
         return {}
     need: dict[str, str] = {}
-    if strategies - {"sequential"}:
-        need["symm_mem"] = f"strategies {sorted(strategies - {'sequential'})} at this M"
+    ours = {s for s in strategies if s.startswith("triton_")}  # tpweave's own kernels
+    torch_symm = strategies - {"sequential"} - ours
+    if ours:
+        need["tpweave_comm"] = f"strategies {sorted(ours)} at this M"
+    if torch_symm:
+        need["symm_mem"] = f"strategies {sorted(torch_symm)} at this M"
+    if ours or torch_symm:
+        pass
     elif variant == "sp":
         need["nccl_reduce_scatter"] = "sequence-parallel graph with plain collectives"
     else:

@@ -104,7 +104,7 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
     probe = torch.empty(0, device=ctx.device, dtype=dtype)
     rows = []
     for site in _progress(sites, ctx, "ops"):
-        names = [n for n, s in STRATEGIES.items() if getattr(s, site.kind) is not None and s.available(probe)]
+        names = [n for n, s in STRATEGIES.items() if _serves(s, site.kind) and s.available(probe)]
         w = (torch.randn(site.n, site.k, device=ctx.device, dtype=dtype) * site.k**-0.5).t()
         for m in tokens:
             rows_local = -(-m // ctx.world_size)
@@ -120,6 +120,11 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
                 fns = {n: (lambda n=n: torch.ops.tpweave.mm_rs(a_full, w, ctx.group_name, ctx.world_size, n)) for n in names}
             elif site.kind in ("ag_scaled_mm", "scaled_mm_rs"):
                 fns, a_full = _fp8_site_arms(ctx, site, m, names, w, dtype)
+            elif site.kind == "all_reduce_rms_norm":
+                a_full, res = (torch.randn(m, site.k, device=ctx.device, dtype=dtype) for _ in range(2))
+                norm_w = torch.rand(site.k, device=ctx.device, dtype=dtype) + 0.5
+                fns = {n: (lambda n=n: torch.ops.tpweave.all_reduce_rms_norm(a_full, res, norm_w, 1e-5, False, ctx.group_name,
+                                                                              ctx.world_size, n)) for n in names}
             else:
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
                 fns = {n: (lambda n=n: torch.ops.tpweave.all_reduce(a_full, ctx.group_name, ctx.world_size, n)) for n in names}
@@ -134,6 +139,14 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
                     "vs_sequential": seq / t.median_ms, "hidden": hidden_fraction(t.median_ms, seq, comp), "spread": t.spread,
                 })
     return rows
+
+
+def _serves(strategy, kind: str) -> bool:
+    """Whether a strategy can run a site of this kind (an all-reduce strategy serves the composed
+    all-reduce + add + norm)."""
+    if kind == "all_reduce_rms_norm":
+        return strategy.all_reduce_rms_norm is not None or strategy.all_reduce is not None
+    return getattr(strategy, kind) is not None
 
 
 def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_KN: torch.Tensor, dtype: torch.dtype):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from tpweave.compiler import allreduce, async_tp, sequence_parallel
+from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel
 from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
 from tpweave.compiler.graph_utils import count_collectives
 from tpweave.compiler.log import logger
@@ -43,12 +43,14 @@ class PassOptions:
     ag_mm_policy: str = "sequential"  # default for sites the table does not list
     mm_rs_policy: str = "sequential"
     all_reduce_policy: str = "sequential"
+    all_reduce_rms_norm_policy: str = "sequential"  # "sequential": not fused (Inductor's add + norm)
     site_policies: tuple[tuple[str, str], ...] = ()  # ("ag_mm:4096x3072", policy), from the table
     cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
 
     def policy(self, kind: str, k: int, n: int) -> str:
         # FP8 sites stay sequential unless a calibration table lists a measured strategy for them
-        defaults = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy, "all_reduce": self.all_reduce_policy}
+        defaults = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy, "all_reduce": self.all_reduce_policy,
+                    "all_reduce_rms_norm": self.all_reduce_rms_norm_policy}
         default = defaults.get(kind, "sequential")
         return self.policy_string(dict(self.site_policies).get(f"{kind}:{k}x{n}", default))
 
@@ -82,13 +84,14 @@ class TPWeavePass(CustomGraphPass):
                 async_tp.fuse_matmul_reduce_scatters(graph, policy_for=self.options.policy, report=self.report)
                 logger.debug("[%s] graph after async_tp:\n%s", self.report.variant, graph)
         else:
+            allreduce_norm.fuse_all_reduce_norms(graph, self.sp_cfg, policy_for=self.options.policy, report=self.report)
             allreduce.route_all_reduces(graph, self.sp_cfg, policy_for=self.options.policy, report=self.report)
         graph.lint()
         self.report.counts_after = count_collectives(graph)
 
     def uuid(self) -> bytes:
         h = hashlib.sha256()
-        for mod in (sequence_parallel, async_tp, allreduce):
+        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm):
             h.update(inspect.getsource(mod).encode())
         h.update(repr((asdict(self.sp_cfg), asdict(self.options))).encode())
         return h.digest()
@@ -163,7 +166,7 @@ class CompiledTP:
     def strategies_at(self, num_tokens: int) -> set[str]:
         """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
         opts = self.options[self.variant_for(num_tokens)]
-        kinds = ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce",)
+        kinds = ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce", "all_reduce_rms_norm")
         policies = [opts.policy(k, -1, -1) for k in kinds]  # the defaults (no site has shape -1)
         policies += [p for site, p in opts.site_policies if site.split(":")[0] in kinds]
         names = set()
@@ -196,6 +199,7 @@ def compile(
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY,
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY,
     all_reduce_policy: str = "sequential",
+    all_reduce_rms_norm_policy: str = "sequential",
     cudagraphs: bool = False,
     piecewise: bool = False,
     num_tokens_fn: Callable[[tuple], int] | None = None,
@@ -235,7 +239,8 @@ def compile(
     variants: dict[str, Callable] = {}
     want = {
         "plain": PassOptions(
-            sp=False, async_tp=False, all_reduce_policy=all_reduce_policy, site_policies=site_policies, cudagraph_trees=cudagraphs
+            sp=False, async_tp=False, all_reduce_policy=all_reduce_policy, all_reduce_rms_norm_policy=all_reduce_rms_norm_policy,
+            site_policies=site_policies, cudagraph_trees=cudagraphs
         )
     }
     if sp:

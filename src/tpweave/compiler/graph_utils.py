@@ -24,6 +24,7 @@ COLLECTIVE_TARGETS = {
     "ag_mm": tpw.ag_mm.default,
     "mm_rs": tpw.mm_rs.default,
     "all_reduce_routed": tpw.all_reduce.default,
+    "all_reduce_rms_norm": tpw.all_reduce_rms_norm.default,
     "all_gather_into_tensor": funcol.all_gather_into_tensor.default,
     "reduce_scatter_tensor": funcol.reduce_scatter_tensor.default,
 }

@@ -27,6 +27,9 @@ class Strategy:
     all_reduce: Callable[..., Tensor] | None = None
     ag_scaled_mm: Callable[..., list[Tensor]] | None = None  # FP8: gather (x, x_scale), scaled matmul(s)
     scaled_mm_rs: Callable[..., Tensor] | None = None
+    # (x, residual, weight, eps, weight_in_fp32, group, world) -> (normed, h); a strategy without it
+    # serves tpweave::all_reduce_rms_norm through its all_reduce, then the add + norm kernel
+    all_reduce_rms_norm: Callable[..., tuple[Tensor, Tensor]] | None = None
     available: Callable[[Tensor], bool] = lambda x: True
     # False: keeps symmetric-memory state that Inductor's CUDA graph trees would allocate inside their
     # pool on the first (recording) call and then reject ("tensors in the cudagraph pool not tracked").
@@ -165,6 +168,37 @@ def _(x, group_name, world_size, policy):
     return torch.empty_like(x)
 
 
+def compose_all_reduce_rms_norm(name: str, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, weight_in_fp32: bool,
+                                group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
+    """Strategy `name`'s all-reduce, then one residual-add + RMSNorm kernel."""
+    from tpweave.ops.rms_norm import add_rms_norm
+
+    summed = pick(name, 0, x, "all_reduce").all_reduce(x, group_name, world_size)
+    return add_rms_norm(summed, residual, weight, eps=eps, weight_in_fp32=weight_in_fp32)
+
+
+@torch.library.custom_op("tpweave::all_reduce_rms_norm", mutates_args=())
+def all_reduce_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, weight_in_fp32: bool,
+                        group_name: str, world_size: int, policy: str) -> tuple[Tensor, Tensor]:
+    """(rms_norm(h) * weight, h) with h = all_reduce(x) + residual (ops/rms_norm.py has the rounding rules)."""
+    num_tokens = math.prod(x.shape[:-1])
+    chosen = "sequential"
+    for start, name in parse_policy(policy):
+        chosen = name if num_tokens >= start else chosen
+    strategy = STRATEGIES.get(chosen)
+    if strategy is not None and strategy.all_reduce_rms_norm is not None and strategy.available(x):
+        return strategy.all_reduce_rms_norm(x, residual, weight, eps, weight_in_fp32, group_name, world_size)
+    return compose_all_reduce_rms_norm(chosen, x, residual, weight, eps, weight_in_fp32, group_name, world_size)
+
+
+@all_reduce_rms_norm.register_fake
+def _(x, residual, weight, eps, weight_in_fp32, group_name, world_size, policy):
+    from tpweave.ops.rms_norm import out_dtype
+
+    return x.new_empty(x.shape, dtype=out_dtype(x, weight, weight_in_fp32)), torch.empty_like(x)
+
+
 from tpweave.ops.strategies import sequential as _sequential  # noqa: E402,F401  (registers)
 from tpweave.ops.strategies import symm_mem_allreduce as _symm_mem_allreduce  # noqa: E402,F401
 from tpweave.ops.strategies import symm_mem_fused as _symm_mem_fused  # noqa: E402,F401
+from tpweave.ops.strategies import triton_ar_norm as _triton_ar_norm  # noqa: E402,F401

@@ -10,15 +10,18 @@ import functools
 
 import torch
 
-_BUFFERS: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+_BUFFERS: dict[tuple[str, torch.dtype, torch.device, str], torch.Tensor] = {}
+_HANDLES: dict[int, object] = {}  # id(buffer) -> its rendezvous handle (peer pointers, signal pads)
 # Outgrown buffers stay alive: a CUDA graph captured earlier still reads and writes them.
 _RETIRED: list[torch.Tensor] = []
 
 
-def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.device, *, tag: str = "staging") -> torch.Tensor:
+    """The buffer for (group, dtype, device, tag), at least `numel` elements. Kernels that keep their
+    own signalling in the signal pads take their own tag, so no two protocols share a pad."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    key = (group_name, dtype, torch.device(device))
+    key = (group_name, dtype, torch.device(device), tag)
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < numel:
         if torch.cuda.is_current_stream_capturing():
@@ -29,9 +32,14 @@ def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.devic
         if buf is not None:
             _RETIRED.append(buf)
         buf = symm_mem.empty(numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, group_name)
+        _HANDLES[id(buf)] = symm_mem.rendezvous(buf, group_name)
         _BUFFERS[key] = buf
     return buf
+
+
+def handle(buf: torch.Tensor):
+    """The rendezvous handle of a buffer `reserve` returned."""
+    return _HANDLES[id(buf)]
 
 
 def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:

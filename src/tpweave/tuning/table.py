@@ -21,7 +21,8 @@ TABLE_VERSION = 1
 @dataclass(frozen=True)
 class SiteShape:
     """kind 'ag_mm': (shard rows, K) gathered, times (K, N); 'mm_rs': (M, K) x (K, N), scattered;
-    'all_reduce': (M, K) summed over ranks (n == k)."""
+    'all_reduce': (M, K) summed over ranks (n == k); 'all_reduce_rms_norm': the same, then residual add +
+    RMSNorm (fused, or the all-reduce strategy then one add + norm kernel)."""
 
     kind: str
     k: int
@@ -44,6 +45,7 @@ def site_shapes(cfg: ModelConfig, tp: int) -> list[SiteShape]:
         SiteShape(rs, cfg.num_heads * D // tp, H),
         SiteShape(rs, cfg.intermediate_size // tp, H),
         SiteShape("all_reduce", H, H),
+        SiteShape("all_reduce_rms_norm", H, H),
     ]
 
 

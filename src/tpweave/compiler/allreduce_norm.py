@@ -1,0 +1,149 @@
+"""Plain-TP graph: fuse all-reduce -> (+ residual) -> RMSNorm into `tpweave::all_reduce_rms_norm`.
+
+The RMSNorm is recognized from its post-grad ATen ops, in the forms models write it:
+    h32 = float(h)                     (absent when h is fp32)
+    n32 = h32 * rsqrt(mean(h32^2, -1, keepdim) + eps)        (pow(h32, 2) or h32 * h32; + eps as add.Tensor or add.Scalar)
+    y = weight * dtype(n32)            (Llama/HF: weight_in_fp32=False)
+    y = dtype(n32 * weight32)          (Gemma-style (1 + w), F.rms_norm: weight_in_fp32=True)
+where weight is any (H,) tensor (a parameter, or 1 + w computed in the graph). Anything else (a
+LayerNorm, a norm without weight, intermediate values used elsewhere) is left to `route_all_reduces`
+and the report says why. The fused op returns (y, h); h replaces the residual stream's uses.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from tpweave.compiler.graph_utils import GraphEditor, aten, funcol, is_tensor_node, tpw, val
+from tpweave.compiler.report import GraphReport
+from tpweave.compiler.sequence_parallel import SPConfig
+
+CONVERT = torch.ops.prims.convert_element_type.default
+KIND = "all_reduce_rms_norm"
+
+
+@dataclass(frozen=True)
+class RMSNormMatch:
+    y: fx.Node  # the norm's output, replaced by the fused op's first result
+    weight: fx.Node
+    eps: float
+    weight_in_fp32: bool
+    chain: tuple[fx.Node, ...]  # the norm's nodes, dead once y and h are replaced
+
+
+class NoMatch(Exception):
+    pass
+
+
+def _calls(node: fx.Node, *targets) -> list[fx.Node]:
+    return [u for u in node.users if u.op == "call_function" and u.target in targets]
+
+
+def _only_user(node: fx.Node, *targets) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_function" or users[0].target not in targets:
+        raise NoMatch(f"{node.name} is not used by exactly one of {[str(t) for t in targets]}")
+    return users[0]
+
+
+def _other(node: fx.Node, known: fx.Node):
+    a, b = node.args[:2]
+    return b if a is known else a if b is known else None
+
+
+def _is_weight(w, hidden: int) -> bool:
+    return is_tensor_node(w) and tuple(val(w).shape) == (hidden,)
+
+
+def match_rms_norm(h: fx.Node) -> RMSNormMatch:
+    """The RMSNorm applied to h (shape (..., H)), or NoMatch saying what differs."""
+    hv = val(h)
+    hidden = hv.shape[-1]
+    if not isinstance(hidden, int):
+        raise NoMatch("hidden size is not static")
+    last = {-1, hv.dim() - 1}
+    ups = [h] if hv.dtype == torch.float32 else [u for u in _calls(h, CONVERT) if val(u).dtype == torch.float32]
+    why = NoMatch("no RMSNorm reads it")
+    for h32 in ups:
+        squares = [u for u in _calls(h32, aten.pow.Tensor_Scalar) if u.args[1] == 2]
+        squares += [u for u in _calls(h32, aten.mul.Tensor) if u.args[0] is h32 and u.args[1] is h32]
+        for sq in squares:
+            try:
+                mean = _only_user(sq, aten.mean.dim)
+                if set(mean.args[1]) - last or len(mean.args[1]) != 1 or not (mean.args[2:3] and mean.args[2] or mean.kwargs.get("keepdim")):
+                    raise NoMatch("mean is not over the last dim with keepdim")
+                add = _only_user(mean, aten.add.Tensor, aten.add.Scalar)
+                eps = _other(add, mean)
+                if not isinstance(eps, (int, float)):
+                    raise NoMatch("eps is not a constant")
+                rsqrt = _only_user(add, aten.rsqrt.default)
+                n32 = _only_user(rsqrt, aten.mul.Tensor)
+                if _other(n32, rsqrt) is not h32:
+                    raise NoMatch("rsqrt does not scale the same input")
+                chain = [h32, sq, mean, add, rsqrt, n32] if h32 is not h else [sq, mean, add, rsqrt, n32]
+                nxt = _only_user(n32, CONVERT, aten.mul.Tensor)
+                if nxt.target is CONVERT and val(nxt).dtype == hv.dtype:  # weight * dtype(n32)
+                    y = _only_user(nxt, aten.mul.Tensor)
+                    weight, in_fp32 = _other(y, nxt), False
+                    chain += [nxt]
+                else:  # dtype(n32 * weight)
+                    weight, in_fp32 = _other(nxt, n32), True
+                    y = nxt
+                    if hv.dtype != torch.float32:
+                        y = _only_user(nxt, CONVERT)
+                        if val(y).dtype != hv.dtype:
+                            raise NoMatch("the normalized value is cast to another dtype")
+                        chain += [nxt]
+                if not _is_weight(weight, hidden):
+                    raise NoMatch(f"the scale is not a ({hidden},) tensor")
+                if any(len(n.users) != 1 for n in chain[1:] if n is not h32):
+                    raise NoMatch("an intermediate of the norm is used elsewhere")
+                if h32 is not h and set(h32.users) - {sq, n32}:
+                    raise NoMatch("the upcast input is used elsewhere")
+                return RMSNormMatch(y, weight, float(eps), in_fp32, tuple(chain))
+            except NoMatch as e:
+                why = e
+    raise why
+
+
+def fuse_all_reduce_norms(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+    edit = GraphEditor(graph)
+    for wait in list(graph.nodes):
+        if wait.target is not funcol.wait_tensor.default or getattr(wait.args[0], "target", None) is not funcol.all_reduce.default:
+            continue
+        ar = wait.args[0]
+        x, reduce_op, group_name = ar.args[:3]
+        hidden = val(x).shape[-1] if val(x).dim() else None
+        if not isinstance(hidden, int) or reduce_op != "sum" or group_name != cfg.group_name or len(ar.users) != 1:
+            continue
+        policy = policy_for(KIND, hidden, hidden)
+        if policy == "sequential":
+            continue  # measured (or default): Inductor's own add + norm after the all-reduce
+        h, residual = wait, None
+        adds = _calls(wait, aten.add.Tensor)
+        if len(wait.users) == 1 and adds and len(adds[0].args) == 2 and not adds[0].kwargs:
+            other = _other(adds[0], wait)
+            if is_tensor_node(other) and other is not wait and val(other).shape == val(wait).shape and val(other).dtype == val(wait).dtype:
+                h, residual = adds[0], other
+        try:
+            norm = match_rms_norm(h)
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            early = [u for u in h.users if u not in norm.chain and order[u] < order[norm.y]]
+            if early:
+                raise NoMatch(f"{early[0].name} reads the sum before the norm's output")
+        except NoMatch as e:
+            report.add(KIND, ar, "left alone", str(e))
+            continue
+        fused = edit.insert(tpw.all_reduce_rms_norm.default,
+                            (x, residual, norm.weight, norm.eps, norm.weight_in_fp32, group_name, cfg.world_size, policy), before=norm.y)
+        y_new = edit.insert(operator.getitem, (fused, 0), before=norm.y)
+        h_new = edit.insert(operator.getitem, (fused, 1), before=norm.y)
+        norm.y.replace_all_uses_with(y_new)
+        h.replace_all_uses_with(h_new)
+        edit.erase_unused({norm.y, *norm.chain, h, wait, ar})
+        style = "weight in fp32" if norm.weight_in_fp32 else "weight after the cast"
+        report.add(KIND, ar, "fused", f"{'residual add + ' if residual is not None else ''}RMSNorm ({style}, eps {norm.eps:g}), policy {policy!r}")

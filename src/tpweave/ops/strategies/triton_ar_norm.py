@@ -1,0 +1,150 @@
+"""tpweave's fused all-reduce + residual add + RMSNorm: one Triton kernel over symmetric memory.
+
+For the small M of decode steps, where an all-reduce is pure latency and the add + norm after it is
+one more launch. Each program owns rows pid, pid + G, ...:
+  1. copies its rows of the local partial sum into this rank's symmetric buffer,
+  2. block-wise barrier with the same program on every peer (signal pads, release/acquire at system
+     scope: the peers' rows are written before anyone reads them),
+  3. reads the rows from every rank's buffer over NVLink (peer loads, no multicast), sums them in
+     rank order (every rank gets the same bits), adds the residual, normalizes, stores y and h,
+  4. barrier again: no rank overwrites its buffer (next call) while a peer still reads it.
+CUDA only (P2P-reachable peers); the CPU path of `tpweave::all_reduce_rms_norm` is the composed one.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from tpweave.ops import rms_norm, symm_buffers
+from tpweave.ops.overlap import Strategy, register
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_PROGRAMS = 128  # at most one per SM; more only queue behind the barrier
+
+
+@functools.lru_cache(maxsize=None)
+def _max_programs(world_size: int) -> int:
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    pad_bytes = getattr(_SymmetricMemory, "signal_pad_size", 2048)
+    return max(1, min(MAX_PROGRAMS, pad_bytes // 4 // world_size))
+
+
+def _available(x: Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and symm_buffers.has_symm_mem_ops()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _thread_id():
+        return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _send_signal(addrs):
+        # spin until the slot is 0, then set it to 1 (release: this block's writes are visible first)
+        tl.inline_asm_elementwise(
+            """
+            {
+            .reg .u32 %tmp32_<1>;
+            .reg .pred %p<1>;
+            send_signal:
+                atom.global.release.sys.cas.b32 %tmp32_0, [$1], 0, 1;
+                setp.eq.u32 %p0, %tmp32_0, 0;
+                @!%p0 bra send_signal;
+            }
+            """,
+            "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+    @triton.jit
+    def _wait_signal(addrs):
+        # spin until the peer set the slot to 1, reset it to 0 (acquire: the peer's writes are visible after)
+        tl.inline_asm_elementwise(
+            """
+            {
+            .reg .u32 %tmp32_<1>;
+            .reg .pred %p<1>;
+            wait_signal:
+                atom.global.sys.acquire.cas.b32 %tmp32_0, [$1], 1, 0;
+                setp.eq.u32 %p0, %tmp32_0, 1;
+                @!%p0 bra wait_signal;
+            }
+            """,
+            "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+    @triton.jit
+    def _block_barrier(signal_pad_ptrs, block_id, RANK: tl.constexpr, WORLD: tl.constexpr):
+        """Program `block_id` of every rank meets here. Slot (block, src) of each pad: 0 idle, 1 signalled."""
+        tl.debug_barrier()
+        ranks = tl.arange(0, WORLD)
+        pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
+        remote_pads = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
+        local_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+        # thread r < WORLD holds element r of these vectors
+        if _thread_id() < WORLD:
+            _send_signal(remote_pads + block_id * WORLD + RANK)
+            _wait_signal(local_pad + block_id * WORLD + ranks)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _all_reduce_rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, signal_pad_ptrs, num_rows, eps,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        bufs = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+        own = tl.load(bufs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        for row in range(pid, num_rows, num_programs):
+            offs = row.to(tl.int64) * H + cols
+            tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+        _block_barrier(signal_pad_ptrs, pid, RANK, WORLD)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for row in range(pid, num_rows, num_programs):
+            offs = row.to(tl.int64) * H + cols
+            s = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                peer = tl.load(bufs + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                s += tl.load(peer + offs, mask=mask, other=0.0).to(tl.float32)
+            rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
+        _block_barrier(signal_pad_ptrs, pid, RANK, WORLD)
+
+
+def all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, weight_in_fp32: bool,
+                        group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
+    hidden = x.shape[-1]
+    if world_size & (world_size - 1) or not rms_norm.triton_supported(x, weight) or (residual is not None and residual.dtype != x.dtype):
+        from tpweave.ops.overlap import compose_all_reduce_rms_norm
+
+        return compose_all_reduce_rms_norm("sequential", x, residual, weight, eps, weight_in_fp32, group_name, world_size)
+    x = x.contiguous()
+    buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
+    handle = symm_buffers.handle(buf)
+    h = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
+    num_rows = x.numel() // hidden
+    if num_rows:
+        grid = (min(num_rows, _max_programs(world_size)),)
+        _all_reduce_rms_norm_kernel[grid](
+            x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y,
+            handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps,
+            H=hidden, BLOCK_H=rms_norm.block_h(hidden), RANK=handle.rank, WORLD=world_size,
+            HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_in_fp32, num_warps=rms_norm.num_warps_for(hidden),
+        )
+    return y, h
+
+
+TRITON_AR_NORM = register(Strategy("triton_ar_norm", all_reduce_rms_norm=all_reduce_rms_norm, available=_available,
+                                   cudagraph_trees_safe=False))
