@@ -16,6 +16,7 @@ import torch
 from tpweave.bench.kernels import check, expected_categories, profile_kernels
 from tpweave.bench.layer import BenchSettings, _progress, hidden_fraction
 from tpweave.bench.timing import allow_many_compiles, time_arms
+from tpweave.compiler.backend import BASELINE
 from tpweave.models import build_model, resolve_config
 from tpweave.models.config import DTYPES
 from tpweave.models.llama import LlamaForCausalLM
@@ -49,7 +50,7 @@ def build_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: in
     if on_cuda and fused != "symm_mem_fused":
         raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     make = {
-        "baseline": lambda: tpweave.compile(tp_model, sp=False, table=None),
+        "baseline": lambda: tpweave.compile(tp_model, **BASELINE),
         "sp_seq": lambda: tpweave.compile(tp_model, sp=True, sp_min_tokens=0, async_tp=False, table=None),
         "sp_fused": lambda: tpweave.compile(tp_model, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None),
         "auto": lambda: tpweave.compile(tp_model, table=table),

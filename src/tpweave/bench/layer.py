@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tpweave.bench.timing import time_arms
+from tpweave.compiler.backend import BASELINE
 from tpweave.models import build_model
 from tpweave.models.config import DTYPES, get_preset
 from tpweave.ops.overlap import STRATEGIES
@@ -60,7 +61,7 @@ def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layer
     if ctx.device.type == "cuda" and fused != "symm_mem_fused":
         raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     variants = {
-        "baseline": tpweave.compile(stack, sp=False),
+        "baseline": tpweave.compile(stack, **BASELINE),
         "sp_seq": tpweave.compile(stack, sp=True, sp_min_tokens=0, async_tp=False),
         "sp_fused": tpweave.compile(stack, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused),
         "auto": tpweave.compile(stack, sp=True, table=table),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tpweave.engine.block_manager import slot_of
+from tpweave.compiler.backend import BASELINE
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
@@ -48,7 +49,7 @@ class ModelRunner:
 
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             self.forward = tpweave.compile(self.model, sp=False if baseline else None, sp_min_tokens=sp_min_tokens,
-                                           **({"table": None, "all_reduce_policy": "sequential"} if baseline else {}))
+                                           **({k: v for k, v in BASELINE.items() if k != "sp"} if baseline else {}))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_graph_replays = 0
         if cuda_graphs and self.on_cuda:

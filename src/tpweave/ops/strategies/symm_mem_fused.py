@@ -13,6 +13,11 @@ import torch.nn.functional as F
 
 from tpweave.ops import symm_buffers
 from tpweave.ops.overlap import Strategy, register
+from tpweave.ops.strategies import sequential
+
+# cuBLASLt's FP8 matmuls reject a chunk whose row count is not a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED,
+# measured at 1 row per rank on H200): such shards take the sequential path.
+FP8_ROW_ALIGN = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +51,8 @@ def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes,
     """torch's fused_all_gather_scaled_matmul: FP8 rows and their row-wise scales gathered while the
     scaled matmuls of the chunks that arrived run. Not yet measured on a GPU: policies choose it
     only where a calibration table does."""
+    if x_local.shape[0] % FP8_ROW_ALIGN:
+        return sequential.ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype)
     _enable(group_name)
     num_tokens = math.prod(token_sizes)
     a_full, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
@@ -57,6 +64,8 @@ def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes,
 
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    if -(-a.shape[0] // world_size) % FP8_ROW_ALIGN:
+        return sequential.scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     _enable(group_name)
     pad = (-a.shape[0]) % world_size
     if pad:
