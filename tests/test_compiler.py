@@ -189,6 +189,8 @@ def test_plain_graph_fuses_all_reduce_residual_rms_norm(reference_logits):
             assert rank_out[(dtype, "num_compiles")] == 1
             [(variant, before, after, sites)] = rank_out[(dtype, "graphs")]
             assert variant == "plain" and before["all_reduce"] == 2 * NUM_LAYERS + 1
+            # what kernel verification expects: the fused op's policy, not the (now absent) all-reduce's
+            assert rank_out[(dtype, "strategies_at_1")] == ["triton_ar_norm"]
             assert after == {"all_reduce_rms_norm": 2 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
             fused = [s for s in sites if s[:2] == ("all_reduce_rms_norm", "fused")]
             assert len(fused) == 2 * NUM_LAYERS + 1

@@ -175,6 +175,9 @@ class CompiledTP:
         """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
         opts = self.options[self.variant_for(num_tokens)]
         kinds = ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce", "all_reduce_rms_norm")
+        if not opts.sp:  # only the kinds the plain graph really has (every all-reduce may have been fused)
+            done = {(s.kind, s.action) for g in self.compile_report.graphs if g.variant == "plain" for s in g.sites}
+            kinds = tuple(k for k, action in (("all_reduce", "routed"), ("all_reduce_rms_norm", "fused")) if (k, action) in done)
         policies = [opts.policy(k, -1, -1) for k in kinds]  # the defaults (no site has shape -1)
         policies += [p for site, p in opts.site_policies if site.split(":")[0] in kinds]
         names = set()
