@@ -6,17 +6,14 @@ from typing import Callable
 
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import GraphEditor, funcol, tpw, val
+from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, tpw, val
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
 
 
 def route_all_reduces(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
-    for wait in list(graph.nodes):
-        if wait.target is not funcol.wait_tensor.default or getattr(wait.args[0], "target", None) is not funcol.all_reduce.default:
-            continue
-        ar = wait.args[0]
+    for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]
         hidden = val(x).shape[-1] if val(x).dim() else 1
         policy = policy_for("all_reduce", hidden, hidden) if isinstance(hidden, int) else "sequential"

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import GraphEditor, aten, funcol, is_tensor_node, tpw, val
+from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, is_tensor_node, tpw, val
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
 
@@ -112,10 +112,7 @@ def match_rms_norm(h: fx.Node) -> RMSNormMatch:
 
 def fuse_all_reduce_norms(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
-    for wait in list(graph.nodes):
-        if wait.target is not funcol.wait_tensor.default or getattr(wait.args[0], "target", None) is not funcol.all_reduce.default:
-            continue
-        ar = wait.args[0]
+    for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]
         hidden = val(x).shape[-1] if val(x).dim() else None
         if not isinstance(hidden, int) or reduce_op != "sum" or group_name != cfg.group_name or len(ar.users) != 1:

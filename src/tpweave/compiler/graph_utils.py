@@ -50,6 +50,12 @@ def prod(sizes) -> Any:
     return math.prod(sizes)
 
 
+def all_reduce_waits(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(wait_tensor, all_reduce) node pairs of the graph's functional all-reduces, in graph order."""
+    return [(n, n.args[0]) for n in graph.nodes
+            if n.target is funcol.wait_tensor.default and getattr(n.args[0], "target", None) is funcol.all_reduce.default]
+
+
 def count_collectives(graph: fx.Graph) -> dict[str, int]:
     inverse = {v: k for k, v in COLLECTIVE_TARGETS.items()}
     counts = Counter(inverse[n.target] for n in graph.nodes if n.op == "call_function" and n.target in inverse)
