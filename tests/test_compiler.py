@@ -131,6 +131,9 @@ def test_debug_log_prints_graphs(capfd, monkeypatch):
     err = capfd.readouterr().err
     assert "graph before passes" in err and "graph after sequence_parallel" in err and "graph after async_tp" in err
     assert "tpweave.reduce_scatter_tokens" in err
+    # nothing reads the gathered activations besides the matmuls: the op is told it need not keep them
+    fused_gathers = [line for line in err.splitlines() if "tpweave.ag_mm.default](args" in line]
+    assert fused_gathers and all(line.rstrip().endswith("False), kwargs = {})") for line in fused_gathers)
 
 
 def test_bad_input_errors():

@@ -382,3 +382,59 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes):
         worst = max(worst, float((y_g.float() - want[0].float()).abs().max()), float((h_g.float() - want[1].float()).abs().max()))
     out["graph_worst"] = worst
     return out
+
+
+def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
+    """ag_mm and mm_rs of strategy `name`, eager back to back and as CUDA-graph replays on new data,
+    against a reference every rank computes alone (each rank draws every rank's inputs from seeds).
+    Returns the worst error relative to the reference's largest value, per (kind, M, eager|graph)."""
+    from tpweave.ops.overlap import STRATEGIES
+
+    dtype = torch.bfloat16
+    tp, rank = ctx.world_size, ctx.rank
+    w = torch.randn(n, k, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(7)).t() * k**-0.5
+    w2 = torch.randn(k, n, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(8)).t() * n**-0.5
+    bias = torch.randn(n // 2, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(9))
+
+    def inputs(m, seed):
+        rows = -(-m // tp)
+        draw = lambda r, *shape: torch.randn(*shape, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(seed * 97 + r))  # noqa: E731
+        shards = [draw(r, rows, k) for r in range(tp)]
+        partials = [draw(100 + r, m, n) for r in range(tp)]
+        return shards, partials
+
+    def reference(m, shards, partials):
+        rows = -(-m // tp)
+        full = torch.cat(shards)[:m].float()
+        summed = sum(p.float() @ w2.float() for p in partials)
+        return [full, full @ w.float(), full @ w[:, : n // 2].float() + bias.float(), summed[rank * rows : (rank + 1) * rows]]
+
+    def run(x_local, a):  # m: the loop's current token count
+        ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, bias], [m], ctx.group_name, tp, name)
+        return [*ag, torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, tp, name)]
+
+    def worst(got, want):
+        return [float((g.float()[: len(r)] - r).abs().max() / max(1.0, float(r.abs().max()))) if r.numel() else 0.0 for g, r in zip(got, want)]
+
+    out = {"available": STRATEGIES[name].available(w)}
+    for m in token_counts:
+        for step in range(3):  # back to back: a rank may start the next op while its peer still reads
+            shards, partials = inputs(m, step)
+            out[(m, "eager", step)] = worst(run(shards[rank], partials[rank]), reference(m, shards, partials))
+        shards, partials = inputs(m, 50)
+        x_static, a_static = shards[rank].clone(), partials[rank].clone()
+        run(x_static, a_static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = run(x_static, a_static)
+        errs = []
+        for step in range(num_replays):
+            shards, partials = inputs(m, 60 + step)
+            x_static.copy_(shards[rank])
+            a_static.copy_(partials[rank])
+            graph.replay()
+            errs.append(worst(got, reference(m, shards, partials)))
+        out[(m, "graph")] = [max(e[i] for e in errs) for i in range(4)]
+        del graph
+    return out

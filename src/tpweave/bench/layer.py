@@ -113,7 +113,7 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
                 x = torch.randn(rows_local, site.k, device=ctx.device, dtype=dtype)
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
                 fns = {
-                    n: (lambda n=n: torch.ops.tpweave.ag_mm(x, [w], [None], [m], ctx.group_name, ctx.world_size, n))
+                    n: (lambda n=n: torch.ops.tpweave.ag_mm(x, [w], [None], [m], ctx.group_name, ctx.world_size, n, False))
                     for n in names
                 }
             elif site.kind == "mm_rs":

@@ -62,7 +62,7 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
         users = [u for u in users if _hoist(u[1], first, order) and (u[2] is None or _hoist(u[2], first, order))]
         # One GEMM width for the site: the sum over the matmuls sharing this gather.
         policy = policy_for("ag_mm", int(val(x_local).shape[-1]), sum(int(val(u[1]).shape[1]) for u in users))
-        args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy)
+        args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy, True)
         fused = edit.insert(tpw.ag_mm.default, args, before=first)
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users) + 1)]
@@ -75,6 +75,8 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
                 graph.erase_node(view)
         ag.replace_all_uses_with(outs[0])
         graph.erase_node(ag)
+        if not outs[0].users:
+            fused.update_arg(len(args) - 1, False)  # need_gathered: nothing reads A
         for o in outs:
             if not o.users:
                 graph.erase_node(o)

@@ -90,15 +90,17 @@ def ag_mm(
     group_name: str,
     world_size: int,
     policy: str,
+    need_gathered: bool = True,
 ) -> list[Tensor]:
-    """[A, A2 @ W_0 (+ b_0), ...]: A (*token_sizes, K) gathered from the (ceil(N/TP), K) shards, A2 = A as (N, K)."""
+    """[A, A2 @ W_0 (+ b_0), ...]: A (*token_sizes, K) gathered from the (ceil(N/TP), K) shards, A2 = A as (N, K).
+    need_gathered=False: nothing reads A (the async-TP pass knows), so a strategy may leave it unwritten."""
     num_tokens = math.prod(token_sizes)
     strategy = pick(policy, num_tokens, x_local, "ag_mm")
-    return strategy.ag_mm(x_local, weights, biases, token_sizes, group_name, world_size)
+    return strategy.ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered)
 
 
 @ag_mm.register_fake
-def _(x_local, weights, biases, token_sizes, group_name, world_size, policy):
+def _(x_local, weights, biases, token_sizes, group_name, world_size, policy, need_gathered=True):
     num_tokens = math.prod(token_sizes)
     a = x_local.new_empty(*token_sizes, *x_local.shape[1:])
     return [a] + [x_local.new_empty(num_tokens, w.shape[1]) for w in weights]
@@ -202,3 +204,4 @@ from tpweave.ops.strategies import sequential as _sequential  # noqa: E402,F401 
 from tpweave.ops.strategies import symm_mem_allreduce as _symm_mem_allreduce  # noqa: E402,F401
 from tpweave.ops.strategies import symm_mem_fused as _symm_mem_fused  # noqa: E402,F401
 from tpweave.ops.strategies import triton_ar_norm as _triton_ar_norm  # noqa: E402,F401
+from tpweave.ops.strategies import ce_overlap as _ce_overlap  # noqa: E402,F401

@@ -7,7 +7,7 @@ import torch
 from tpweave.ops.overlap import Strategy, register
 
 
-def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
+def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
     a = torch.ops.tpweave.all_gather_tokens(x_local, token_sizes, group_name, world_size)
     a2 = a.reshape(-1, a.shape[-1])
     outs = [a2 @ w if b is None else torch.addmm(b, a2, w) for w, b in zip(weights, biases)]

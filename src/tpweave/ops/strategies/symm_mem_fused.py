@@ -31,12 +31,13 @@ def _available(x: torch.Tensor) -> bool:
     return x.is_cuda and symm_buffers.has_symm_mem_ops("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
 
-def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size):
+def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
     _enable(group_name)
     num_tokens = math.prod(token_sizes)
-    a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(x_local.contiguous(), list(weights), 0, group_name, return_A=True)
+    a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(x_local.contiguous(), list(weights), 0, group_name, return_A=need_gathered)
     outs = [o[:num_tokens] if b is None else o[:num_tokens] + b for o, b in zip(outs, biases)]
-    return [a_full[:num_tokens].reshape(*token_sizes, x_local.shape[-1]), *outs]
+    gathered = a_full[:num_tokens] if need_gathered else x_local.new_empty(num_tokens, x_local.shape[-1])
+    return [gathered.reshape(*token_sizes, x_local.shape[-1]), *outs]
 
 
 def mm_rs(a, weight, group_name, world_size):
