@@ -108,3 +108,46 @@ class ForeignModel(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.norm(x))
+
+
+class DTensorBlock(nn.Module):
+    """Written for one device; torch's `parallelize_module` shards it (Colwise up/gate, Rowwise down)."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
+        self.gate, self.up = (nn.Linear(HIDDEN, INTER, bias=False) for _ in range(2))
+        self.down = nn.Linear(INTER, HIDDEN, bias=False)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=gen))
+            for lin in (self.gate, self.up, self.down):
+                lin.weight.copy_(_full(gen, *lin.weight.shape))
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(self.norm(x))) * self.up(self.norm(x)))
+
+
+class DTensorModel(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
+        self.blocks = nn.ModuleList([DTensorBlock(gen) for _ in range(LAYERS)])
+        self.out_norm = nn.RMSNorm(HIDDEN, eps=1e-5)
+
+    def forward(self, ids_BS):
+        x = self.embed(ids_BS)
+        for block in self.blocks:
+            x = block(x)
+        return self.out_norm(x)
+
+    def parallelize(self, world: int) -> "DTensorModel":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in self.blocks:
+            parallelize_module(block, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+        return self

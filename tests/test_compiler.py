@@ -228,3 +228,19 @@ def test_all_reduce_norm_fusion_across_styles():
                 for got, want, ref in zip(got_outs, eager_outs, ref_outs):
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
                     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)
+
+
+def test_dtensor_parallelized_model():
+    """A model written for one device and sharded with torch's parallelize_module (DTensor redistributes,
+    not hand-written collectives): the SP graph turns its all-reduces into reduce-scatter + matmul ops and
+    matches the eager DTensor model and the unsharded one at every M."""
+    shapes = [(1, 1), (2, 3), (1, 7), (3, 16)]
+    ref = tpweave.launch(workers.dtensor_model_outputs, shapes, {}, nprocs=1)[0]["eager"]
+    for rank_out in tpweave.launch(workers.dtensor_model_outputs, shapes, {"sp_min_tokens": 0}, nprocs=2):
+        assert rank_out["num_compiles"] == 1
+        [(variant, before, after)] = rank_out["graphs"]
+        assert variant == "sp" and before.get("all_reduce") == 2 and "all_reduce" not in after
+        assert after.get("mm_rs") == 2 and after.get("ag_mm") == 2  # down_proj; gate + up share one gather
+        for compiled, eager, want in zip(rank_out["compiled"], rank_out["eager"], ref):
+            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)

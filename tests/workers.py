@@ -438,3 +438,22 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
         out[(m, "graph")] = [max(e[i] for e in errs) for i in range(4)]
         del graph
     return out
+
+
+@torch.no_grad()
+def dtensor_model_outputs(ctx, shapes, compile_kwargs):
+    """A model sharded by torch's parallelize_module (DTensor): eager and tpweave-compiled outputs, report."""
+    import tpweave
+    from foreign_models import VOCAB, DTensorModel
+
+    model = DTensorModel()
+    if ctx.world_size > 1:
+        model.parallelize(ctx.world_size)
+    inputs = [torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(sum(shape))) for shape in shapes]
+    eager = [model(ids) for ids in inputs]
+    if ctx.world_size == 1:
+        return {"eager": eager}
+    compiled = tpweave.compile(model, **compile_kwargs)
+    rep = tpweave.report(compiled)
+    return {"eager": eager, "compiled": [compiled(ids) for ids in inputs], "num_compiles": rep.num_compiles,
+            "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs]}
