@@ -244,3 +244,48 @@ def test_dtensor_parallelized_model():
         for compiled, eager, want in zip(rank_out["compiled"], rank_out["eager"], ref):
             torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
+
+
+SP_FUSED_NORM = {"sp_min_tokens": 0, "mm_rs_policy": "ce_overlap"}  # on CPU: sequential + the reference add + norm
+
+
+def test_sp_graph_fuses_reduce_scatter_residual_rms_norm(reference_logits):
+    """SP graph: with a matmul + reduce-scatter strategy that finishes its reduction in the norm kernel,
+    each o_proj / down_proj mm_rs and the residual add + RMSNorm after it become one
+    tpweave::mm_rs_rms_norm (TP=3: uneven shards); logits equal eager TP and TP=1."""
+    counts = [1, 2, 5, 129]
+    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, ("float32", "bfloat16"), SP_FUSED_NORM, nprocs=3)
+    for rank_out in results:
+        for dtype in ("float32", "bfloat16"):
+            [(variant, before, after, sites)] = rank_out[(dtype, "graphs")]
+            assert variant == "sp" and after.get("mm_rs_rms_norm") == 2 * NUM_LAYERS and "mm_rs" not in after
+            fused = [s for s in sites if s[:2] == ("mm_rs_rms_norm", "fused")]
+            assert len(fused) == 2 * NUM_LAYERS and all("residual add + RMSNorm" in s[2] for s in fused)
+            for m in counts:
+                got = rank_out[(dtype, m, "compiled")]
+                assert _close(got, rank_out[(dtype, m, "eager")], dtype), (dtype, m)
+                assert _close(got, reference_logits[(dtype, m)], dtype), (dtype, m)
+
+
+def test_reduce_scatter_norm_fusion_across_styles():
+    """The same SP fusion on the other model styles: fused where an RMSNorm reads the reduced sum (with or
+    without a residual add, both weight orders), left alone with a reason elsewhere; numbers equal TP=1."""
+    from style_models import STYLES
+
+    counts = [1, 5, 33]
+    reference = tpweave.launch(workers.style_outputs, STYLES, counts, False, nprocs=1)[0]
+    results = tpweave.launch(workers.style_outputs, STYLES, counts, True, SP_FUSED_NORM, nprocs=2)
+    for rank_out in results:
+        num_fused = {}
+        for style in STYLES:
+            eager, compiled, (num_compiles, [(before, after)], text, sites) = rank_out[style]
+            norm_sites = [s for s in sites if s[0] == "mm_rs_rms_norm"]
+            num_fused[style] = sum(s[1] == "fused" for s in norm_sites)
+            assert after.get("mm_rs_rms_norm", 0) == num_fused[style], text
+            assert all(s[2] for s in norm_sites if s[1] == "left alone"), text
+            for got_outs, eager_outs, ref_outs in zip(compiled, eager, reference[style][0]):
+                for got, want, ref in zip(got_outs, eager_outs, ref_outs):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
+                    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)
+        # post-norm LayerNorm: no RMSNorm; parallel residual: its one reduce-scatter sums two matmuls (no mm_rs)
+        assert num_fused == {"postnorm": 0, "parallel": 0, "gemma": 2, "fused_residual": 2, "funcol": 2}

@@ -19,8 +19,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("nccl_other", re.compile(r"nccl", re.I)),
     # tpweave's own communication kernels (ops/strategies/triton_*.py)
     ("tpweave_comm", re.compile(r"_all_reduce_rms_norm_kernel")),
-    # torch symm_mem: one/two-shot all-reduce kernels, barriers and signal kernels of the fused ops,
-    # and the copy-engine peer copies of their pipelines
+    # torch symm_mem: one/two-shot all-reduce kernels, barriers and signal kernels of the fused ops and
+    # of tpweave's ce_overlap, and the copy-engine peer copies of their pipelines
     ("symm_mem", re.compile(r"one_shot|two_shot|multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),
     ("tpweave_triton", re.compile(r"_paged_decode_kernel|tpweave", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),

@@ -1,4 +1,5 @@
-"""Plain-TP graph: fuse all-reduce -> (+ residual) -> RMSNorm into `tpweave::all_reduce_rms_norm`.
+"""Fuse a reduction -> (+ residual) -> RMSNorm into one op: in the plain-TP graph all-reduce ->
+`tpweave::all_reduce_rms_norm`; in the SP graph matmul + reduce-scatter -> `tpweave::mm_rs_rms_norm`.
 
 The RMSNorm is recognized from its post-grad ATen ops, in the forms models write it:
     h32 = float(h)                     (absent when h is fp32)
@@ -110,6 +111,38 @@ def match_rms_norm(h: fx.Node) -> RMSNormMatch:
     raise why
 
 
+def match_residual_norm(src: fx.Node, graph: fx.Graph) -> tuple[fx.Node, fx.Node | None, RMSNormMatch]:
+    """(h, residual, norm) for `src` -> (+ residual) -> RMSNorm, where h = src + residual (or src), or NoMatch."""
+    h, residual = src, None
+    adds = _calls(src, aten.add.Tensor)
+    if len(src.users) == 1 and adds and len(adds[0].args) == 2 and not adds[0].kwargs:
+        other = _other(adds[0], src)
+        if is_tensor_node(other) and other is not src and val(other).shape == val(src).shape and val(other).dtype == val(src).dtype:
+            h, residual = adds[0], other
+    norm = match_rms_norm(h)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    early = [u for u in h.users if u not in norm.chain and order[u] < order[norm.y]]
+    if early:
+        raise NoMatch(f"{early[0].name} reads the sum before the norm's output")
+    return h, residual, norm
+
+
+def _replace_with_fused(graph: fx.Graph, edit: GraphEditor, target, args: tuple, h: fx.Node, norm: RMSNormMatch, dead: set) -> fx.Node:
+    """Insert target(*args) -> (y, h) before the norm's output and make the graph read it."""
+    fused = edit.insert(target, args, before=norm.y)
+    y_new = edit.insert(operator.getitem, (fused, 0), before=norm.y)
+    h_new = edit.insert(operator.getitem, (fused, 1), before=norm.y)
+    norm.y.replace_all_uses_with(y_new)
+    h.replace_all_uses_with(h_new)
+    edit.erase_unused({norm.y, *norm.chain, h, *dead})
+    return fused
+
+
+def _describe(residual, norm: RMSNormMatch, policy: str) -> str:
+    style = "weight in fp32" if norm.weight_in_fp32 else "weight after the cast"
+    return f"{'residual add + ' if residual is not None else ''}RMSNorm ({style}, eps {norm.eps:g}), policy {policy!r}"
+
+
 def fuse_all_reduce_norms(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
@@ -120,27 +153,31 @@ def fuse_all_reduce_norms(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callabl
         policy = policy_for(KIND, hidden, hidden)
         if policy == "sequential":
             continue  # measured (or default): Inductor's own add + norm after the all-reduce
-        h, residual = wait, None
-        adds = _calls(wait, aten.add.Tensor)
-        if len(wait.users) == 1 and adds and len(adds[0].args) == 2 and not adds[0].kwargs:
-            other = _other(adds[0], wait)
-            if is_tensor_node(other) and other is not wait and val(other).shape == val(wait).shape and val(other).dtype == val(wait).dtype:
-                h, residual = adds[0], other
         try:
-            norm = match_rms_norm(h)
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            early = [u for u in h.users if u not in norm.chain and order[u] < order[norm.y]]
-            if early:
-                raise NoMatch(f"{early[0].name} reads the sum before the norm's output")
+            h, residual, norm = match_residual_norm(wait, graph)
         except NoMatch as e:
             report.add(KIND, ar, "left alone", str(e))
             continue
-        fused = edit.insert(tpw.all_reduce_rms_norm.default,
-                            (x, residual, norm.weight, norm.eps, norm.weight_in_fp32, group_name, cfg.world_size, policy), before=norm.y)
-        y_new = edit.insert(operator.getitem, (fused, 0), before=norm.y)
-        h_new = edit.insert(operator.getitem, (fused, 1), before=norm.y)
-        norm.y.replace_all_uses_with(y_new)
-        h.replace_all_uses_with(h_new)
-        edit.erase_unused({norm.y, *norm.chain, h, wait, ar})
-        style = "weight in fp32" if norm.weight_in_fp32 else "weight after the cast"
-        report.add(KIND, ar, "fused", f"{'residual add + ' if residual is not None else ''}RMSNorm ({style}, eps {norm.eps:g}), policy {policy!r}")
+        args = (x, residual, norm.weight, norm.eps, norm.weight_in_fp32, group_name, cfg.world_size, policy)
+        _replace_with_fused(graph, edit, tpw.all_reduce_rms_norm.default, args, h, norm, {wait, ar})
+        report.add(KIND, ar, "fused", _describe(residual, norm, policy))
+
+
+def fuse_reduce_scatter_norms(graph: fx.Graph, *, report: GraphReport) -> None:
+    """SP graph, after async TP: tpweave::mm_rs -> (+ residual) -> RMSNorm becomes tpweave::mm_rs_rms_norm
+    where the site's policy names a strategy that finishes its reduction inside the norm kernel."""
+    from tpweave.ops.overlap import STRATEGIES, parse_policy
+
+    edit = GraphEditor(graph)
+    for mm_rs in [n for n in graph.nodes if n.target is tpw.mm_rs.default]:
+        a, w, group_name, world_size, policy = mm_rs.args
+        if not any(getattr(STRATEGIES.get(name), "mm_rs_rms_norm", None) for _, name in parse_policy(policy)):
+            continue  # no strategy of this site has a fused epilogue: Inductor's own add + norm
+        try:
+            h, residual, norm = match_residual_norm(mm_rs, graph)
+        except NoMatch as e:
+            report.add("mm_rs_rms_norm", mm_rs, "left alone", str(e))
+            continue
+        args = (a, w, residual, norm.weight, norm.eps, norm.weight_in_fp32, group_name, world_size, policy)
+        _replace_with_fused(graph, edit, tpw.mm_rs_rms_norm.default, args, h, norm, {mm_rs})
+        report.add("mm_rs_rms_norm", mm_rs, "fused", _describe(residual, norm, policy))

@@ -23,7 +23,7 @@ from tpweave.compiler.graph_utils import count_collectives
 from tpweave.compiler.log import logger
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
-from tpweave.ops.overlap import parse_policy, without_unsafe_under_cudagraph_trees
+from tpweave.ops.overlap import chosen_name, without_unsafe_under_cudagraph_trees
 
 if TYPE_CHECKING:
     from tpweave.tuning.table import StrategyTable
@@ -90,6 +90,7 @@ class TPWeavePass(CustomGraphPass):
                 async_tp.fuse_all_gather_scaled_matmuls(graph, policy_for=self.options.policy, report=self.report)
                 async_tp.fuse_all_gather_matmuls(graph, policy_for=self.options.policy, report=self.report)
                 async_tp.fuse_matmul_reduce_scatters(graph, policy_for=self.options.policy, report=self.report)
+                allreduce_norm.fuse_reduce_scatter_norms(graph, report=self.report)
                 logger.debug("[%s] graph after async_tp:\n%s", self.report.variant, graph)
         else:
             allreduce_norm.fuse_all_reduce_norms(graph, self.sp_cfg, policy_for=self.options.policy, report=self.report)
@@ -180,13 +181,7 @@ class CompiledTP:
             kinds = tuple(k for k, action in (("all_reduce", "routed"), ("all_reduce_rms_norm", "fused")) if (k, action) in done)
         policies = [opts.policy(k, -1, -1) for k in kinds]  # the defaults (no site has shape -1)
         policies += [p for site, p in opts.site_policies if site.split(":")[0] in kinds]
-        names = set()
-        for policy in policies:
-            chosen = "sequential"
-            for start, name in parse_policy(opts.policy_string(policy)):
-                chosen = name if num_tokens >= start else chosen
-            names.add(chosen)
-        return names
+        return {chosen_name(opts.policy_string(policy), num_tokens) for policy in policies}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         num_tokens = self.num_tokens_fn(args)

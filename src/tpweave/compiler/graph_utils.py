@@ -23,6 +23,7 @@ COLLECTIVE_TARGETS = {
     "all_gather_tokens": tpw.all_gather_tokens.default,
     "ag_mm": tpw.ag_mm.default,
     "mm_rs": tpw.mm_rs.default,
+    "mm_rs_rms_norm": tpw.mm_rs_rms_norm.default,
     "all_reduce_routed": tpw.all_reduce.default,
     "all_reduce_rms_norm": tpw.all_reduce_rms_norm.default,
     "all_gather_into_tensor": funcol.all_gather_into_tensor.default,

@@ -30,6 +30,10 @@ class Strategy:
     # (x, residual, weight, eps, weight_in_fp32, group, world) -> (normed, h); a strategy without it
     # serves tpweave::all_reduce_rms_norm through its all_reduce, then the add + norm kernel
     all_reduce_rms_norm: Callable[..., tuple[Tensor, Tensor]] | None = None
+    # (a, weight, residual, norm_weight, eps, weight_in_fp32, group, world) -> (normed, h): mm_rs whose final
+    # reduction runs in the add + norm kernel; a strategy without it serves tpweave::mm_rs_rms_norm through
+    # its mm_rs, then the add + norm kernel
+    mm_rs_rms_norm: Callable[..., tuple[Tensor, Tensor]] | None = None
     available: Callable[[Tensor], bool] = lambda x: True
     # False: keeps symmetric-memory state that Inductor's CUDA graph trees would allocate inside their
     # pool on the first (recording) call and then reject ("tensors in the cudagraph pool not tracked").
@@ -61,11 +65,17 @@ def without_unsafe_under_cudagraph_trees(policy: str) -> str:
     return ",".join(f"{n}@{m}" for m, n in steps)
 
 
-def pick(policy: str, num_tokens: int, x: Tensor, kind: str) -> Strategy:
+def chosen_name(policy: str, num_tokens: int) -> str:
+    """The strategy name the policy gives M = num_tokens."""
     chosen = "sequential"
     for start, name in parse_policy(policy):
         if num_tokens >= start:
             chosen = name
+    return chosen
+
+
+def pick(policy: str, num_tokens: int, x: Tensor, kind: str) -> Strategy:
+    chosen = chosen_name(policy, num_tokens)
     strategy = STRATEGIES.get(chosen)
     if strategy is None or getattr(strategy, kind) is None or not strategy.available(x):
         if x.is_cuda:
@@ -116,6 +126,34 @@ def mm_rs(a: Tensor, weight: Tensor, group_name: str, world_size: int, policy: s
 @mm_rs.register_fake
 def _(a, weight, group_name, world_size, policy):
     return a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[1])
+
+
+def compose_mm_rs_rms_norm(name: str, a: Tensor, weight: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float,
+                           weight_in_fp32: bool, group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
+    """Strategy `name`'s matmul + reduce-scatter, then one residual-add + RMSNorm kernel."""
+    from tpweave.ops.rms_norm import add_rms_norm
+
+    summed = pick(name, a.shape[0], a, "mm_rs").mm_rs(a, weight, group_name, world_size)
+    return add_rms_norm(summed, residual, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32)
+
+
+@torch.library.custom_op("tpweave::mm_rs_rms_norm", mutates_args=())
+def mm_rs_rms_norm(a: Tensor, weight: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float, weight_in_fp32: bool,
+                   group_name: str, world_size: int, policy: str) -> tuple[Tensor, Tensor]:
+    """(rms_norm(h) * norm_weight, h) with h = mm_rs(a, weight) + residual: this rank's (ceil(N/TP), H) rows."""
+    chosen = chosen_name(policy, a.shape[0])
+    strategy = STRATEGIES.get(chosen)
+    if strategy is not None and strategy.mm_rs_rms_norm is not None and strategy.available(a):
+        return strategy.mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size)
+    return compose_mm_rs_rms_norm(chosen, a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size)
+
+
+@mm_rs_rms_norm.register_fake
+def _(a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size, policy):
+    from tpweave.ops.rms_norm import out_dtype
+
+    h = a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[1])
+    return h.new_empty(h.shape, dtype=out_dtype(h, norm_weight, weight_in_fp32)), h
 
 
 @torch.library.custom_op("tpweave::ag_scaled_mm", mutates_args=())
@@ -183,10 +221,7 @@ def compose_all_reduce_rms_norm(name: str, x: Tensor, residual: Optional[Tensor]
 def all_reduce_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, weight_in_fp32: bool,
                         group_name: str, world_size: int, policy: str) -> tuple[Tensor, Tensor]:
     """(rms_norm(h) * weight, h) with h = all_reduce(x) + residual (ops/rms_norm.py has the rounding rules)."""
-    num_tokens = math.prod(x.shape[:-1])
-    chosen = "sequential"
-    for start, name in parse_policy(policy):
-        chosen = name if num_tokens >= start else chosen
+    chosen = chosen_name(policy, math.prod(x.shape[:-1]))
     strategy = STRATEGIES.get(chosen)
     if strategy is not None and strategy.all_reduce_rms_norm is not None and strategy.available(x):
         return strategy.all_reduce_rms_norm(x, residual, weight, eps, weight_in_fp32, group_name, world_size)

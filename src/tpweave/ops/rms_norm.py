@@ -1,5 +1,6 @@
 """Residual add + RMSNorm, the op that follows every TP all-reduce in a pre-norm decoder:
-h = s + residual (in the model dtype), y = rms_norm(h) * weight. Returns (y, h).
+h = s + residual (in the model dtype), y = rms_norm(h) * weight. Returns (y, h). An optional second
+summand s2 (the partial sum a reduce-scatter received) is added to s first: s = dtype(s + s2).
 
 Two weight orders exist in the wild and give different roundings, so both are kept:
 - weight_in_fp32=False (Llama/HF): y = weight * dtype(h32 * rsqrt(mean(h32^2) + eps))
@@ -24,7 +25,9 @@ def out_dtype(x: Tensor, weight: Tensor, weight_in_fp32: bool) -> torch.dtype:
     return x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
 
 
-def add_rms_norm_reference(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool) -> tuple[Tensor, Tensor]:
+def add_rms_norm_reference(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool,
+                           s2: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    s = s if s2 is None else s + s2
     h = s if residual is None else s + residual
     h32 = h.float()
     n32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
@@ -70,21 +73,24 @@ if triton is not None:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(s_ptr, res_ptr, w_ptr, h_ptr, y_ptr, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                             HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+    def _add_rms_norm_kernel(s_ptr, s2_ptr, res_ptr, w_ptr, h_ptr, y_ptr, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                             HAS_S2: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
         offs = row * H + cols
         s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_S2:
+            s += tl.load(s2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         _norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
-def add_rms_norm(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool) -> tuple[Tensor, Tensor]:
-    """(y, h): one kernel on CUDA, the reference elsewhere. s and residual: (..., H); weight: (H,)."""
-    if not triton_supported(s, weight) or (residual is not None and residual.dtype != s.dtype):
-        return add_rms_norm_reference(s, residual, weight, eps=eps, weight_in_fp32=weight_in_fp32)
+def add_rms_norm(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool,
+                 s2: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(y, h): one kernel on CUDA, the reference elsewhere. s, s2 and residual: (..., H); weight: (H,)."""
+    if not triton_supported(s, weight) or any(t is not None and t.dtype != s.dtype for t in (residual, s2)):
+        return add_rms_norm_reference(s, residual, weight, eps=eps, weight_in_fp32=weight_in_fp32, s2=s2)
     hidden = s.shape[-1]
     s = s.contiguous()
     res = s if residual is None else residual.contiguous()
@@ -92,7 +98,8 @@ def add_rms_norm(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: flo
     y = torch.empty(s.shape, dtype=out_dtype(s, weight, weight_in_fp32), device=s.device)
     num_rows = s.numel() // hidden
     if num_rows:
-        _add_rms_norm_kernel[(num_rows,)](s, res, weight.contiguous(), h, y, eps, H=hidden, BLOCK_H=block_h(hidden),
+        _add_rms_norm_kernel[(num_rows,)](s, s if s2 is None else s2.contiguous(), res, weight.contiguous(), h, y, eps,
+                                          H=hidden, BLOCK_H=block_h(hidden), HAS_S2=s2 is not None,
                                           HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_in_fp32,
                                           num_warps=num_warps_for(hidden))
     return y, h

@@ -4,7 +4,8 @@ pipelines over symmetric memory (cuBLAS GEMMs on the caller's stream, NVLink cop
 ag_mm: each rank pushes its token shard into a receive slot of every peer by copy engine and signals
 it, while the GEMM of its own rows runs; the GEMM of a peer's rows starts once that peer's signal
 arrived. mm_rs: the rows the peers own are multiplied first and pushed into their receive slots while
-the own rows are multiplied; the own rows' partial sums are added once every peer signalled.
+the own rows are multiplied; the own rows' partial sums are added once every peer signalled (in the
+residual add + RMSNorm kernel that follows, where the graph has one: `mm_rs_rms_norm`).
 Compared with torch's fused ops: no copy of the shard into a staging buffer, one barrier instead of
 three, and (mm_rs) a push of finished rows instead of an all-to-all of every partial result.
 
@@ -21,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from tpweave.ops import symm_buffers
+from tpweave.ops import rms_norm, symm_buffers
 from tpweave.ops.overlap import Strategy, register
 
 _BARRIER, _FILLED = 0, 1
@@ -88,7 +89,9 @@ def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need
     return [gathered.view(*token_sizes, k), *outs]
 
 
-def mm_rs(a, weight, group_name, world_size):
+def _mm_rs_partials(a, weight, group_name, world_size) -> tuple[Tensor, list[Tensor]]:
+    """(this rank's own partial rows, the partial rows every peer pushed here), all (rows, H); the
+    caller's stream has waited for every push."""
     num_tokens, h = a.shape[0], weight.shape[1]
     rows = -(-num_tokens // world_size)
     handle, slots = _slots(group_name, world_size, rows, h, a)
@@ -115,13 +118,31 @@ def mm_rs(a, weight, group_name, world_size):
         with torch.cuda.stream(side):
             handle.get_buffer(peer, (rows, h), a.dtype, rank * rows * h).copy_(rows_for_peer)
             handle.put_signal(peer, channel=_FILLED)
-    out = partial(rank)
+    own = partial(rank)
+    received = []
     for step in range(1, world_size):
         src = (rank - step) % world_size  # in the order the peers pushed
         handle.wait_signal(src, channel=_FILLED)
-        out.add_(slots[src])
+        received.append(slots[src])
     main.wait_stream(side)
-    return out
+    return own, received
 
 
-CE_OVERLAP = register(Strategy("ce_overlap", ag_mm=ag_mm, mm_rs=mm_rs, available=_available, cudagraph_trees_safe=False))
+def mm_rs(a, weight, group_name, world_size):
+    own, received = _mm_rs_partials(a, weight, group_name, world_size)
+    for slot in received:
+        own.add_(slot)
+    return own
+
+
+def mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size):
+    """mm_rs whose last reduction step is the residual add + RMSNorm kernel's second summand."""
+    own, received = _mm_rs_partials(a, weight, group_name, world_size)
+    for slot in received[:-1]:
+        own.add_(slot)
+    return rms_norm.add_rms_norm(own, residual, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32,
+                                 s2=received[-1] if received else None)
+
+
+CE_OVERLAP = register(Strategy("ce_overlap", ag_mm=ag_mm, mm_rs=mm_rs, mm_rs_rms_norm=mm_rs_rms_norm, available=_available,
+                              cudagraph_trees_safe=False))
