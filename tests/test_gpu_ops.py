@@ -86,3 +86,21 @@ def test_ce_overlap_eager_and_graph_replays():
         for key, errs in rank_out.items():
             assert errs[0] == 0.0, (key, "the gathered shard must be exact")
             assert max(errs[1:]) < 2e-2, (key, errs)
+
+
+@pytest.mark.parametrize("hidden", [4096, 5120])
+def test_add_rms_norm_kernel_with_second_summand(hidden):
+    """The add + norm kernel that ends ce_overlap's reduce-scatter: h = dtype(dtype(s + s2) + residual),
+    y = RMSNorm(h) in both weight orders, against the reference (rows 1 .. 1000, with/without residual)."""
+    from tpweave.ops import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    for rows in (1, 3, 200, 1000):
+        s, s2, res = (torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+        for residual in (res, None):
+            for in_fp32 in (False, True):
+                got = rms_norm.add_rms_norm(s, residual, w, eps=1e-5, weight_in_fp32=in_fp32, s2=s2)
+                want = rms_norm.add_rms_norm_reference(s, residual, w, eps=1e-5, weight_in_fp32=in_fp32, s2=s2)
+                assert torch.equal(got[1], want[1]), (rows, "h must round like the model")
+                torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
