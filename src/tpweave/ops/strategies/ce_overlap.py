@@ -111,9 +111,11 @@ def _mm_rs_partials(a, weight, group_name, world_size) -> tuple[Tensor, list[Ten
     side.wait_stream(main)
     with torch.cuda.stream(side):
         handle.barrier(channel=_BARRIER)
+    in_flight = []  # kept until the streams join: the allocator must not hand them to the next GEMM
     for step in range(1, world_size):
         peer = (rank + step) % world_size
         rows_for_peer = partial(peer)
+        in_flight.append(rows_for_peer)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             handle.get_buffer(peer, (rows, h), a.dtype, rank * rows * h).copy_(rows_for_peer)
