@@ -75,13 +75,14 @@ def test_all_reduce_rms_norm_strategies_match_reference():
 
 
 @pytest.mark.gpu(gpus=2)  # symmetric memory refuses two ranks on one device
-def test_ce_overlap_eager_and_graph_replays():
+@pytest.mark.parametrize("name", ["ce_overlap", "ce_overlap_2s"])
+def test_ce_overlap_eager_and_graph_replays(name):
     """tpweave's copy-engine pipelines: M % TP != 0, M < TP, back-to-back calls and CUDA-graph replays on
     new data, against a reference each rank computes alone."""
     counts = [1, 7, 512, 1000]
-    out = tpweave.launch(workers.gpu_overlap_replays, "ce_overlap", counts, 1024, 1536, nprocs=2, backend="nccl")
+    out = tpweave.launch(workers.gpu_overlap_replays, name, counts, 1024, 1536, nprocs=2, backend="nccl")
     for rank_out in out:
-        assert rank_out.pop("available"), "ce_overlap fell back to sequential"
+        assert rank_out.pop("available"), f"{name} fell back to sequential"
         assert {key[0] for key in rank_out} == set(counts)
         for key, errs in rank_out.items():
             assert errs[0] == 0.0, (key, "the gathered shard must be exact")

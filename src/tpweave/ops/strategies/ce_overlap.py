@@ -3,7 +3,8 @@ pipelines over symmetric memory (cuBLAS GEMMs on the caller's stream, NVLink cop
 
 ag_mm: each rank pushes its token shard into a receive slot of every peer by copy engine and signals
 it, while the GEMM of its own rows runs; the GEMM of a peer's rows starts once that peer's signal
-arrived. mm_rs: the rows the peers own are multiplied first and pushed into their receive slots while
+arrived (`ce_overlap_2s`: those GEMMs on a second compute stream, overlapping the previous one's
+tail). mm_rs: the rows the peers own are multiplied first and pushed into their receive slots while
 the own rows are multiplied; the own rows' partial sums are added once every peer signalled (in the
 residual add + RMSNorm kernel that follows, where the graph has one: `mm_rs_rms_norm`).
 Compared with torch's fused ops: no copy of the shard into a staging buffer, one barrier instead of
@@ -29,7 +30,7 @@ _BARRIER, _FILLED = 0, 1
 
 
 @functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, role: str = "copy") -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
@@ -50,7 +51,9 @@ def _token_range(rank: int, rows: int, num_tokens: int) -> tuple[int, int]:
     return lo, min(lo + rows, num_tokens)
 
 
-def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+def _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered: bool, overlap_gemms: bool):
+    """overlap_gemms: the peers' GEMMs run on a second compute stream, so each can start while the
+    previous one's last wave still runs (a split GEMM's tail costs less); else one after another."""
     num_tokens, (rows, k) = math.prod(token_sizes), x_local.shape
     x_local = x_local.contiguous()
     handle, slots = _slots(group_name, world_size, rows, k, x_local)
@@ -80,13 +83,25 @@ def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need
         if need_gathered:
             gathered[lo:hi].copy_(a_rows)
 
+    compute = _side_stream(x_local.device, "compute") if overlap_gemms else main
+    compute.wait_stream(main)
     multiply(rank, x_local)
-    for step in range(1, world_size):
-        src = (rank + step) % world_size
-        handle.wait_signal(src, channel=_FILLED)
-        multiply(src, slots[src])
+    with torch.cuda.stream(compute):
+        for step in range(1, world_size):
+            src = (rank + step) % world_size
+            handle.wait_signal(src, channel=_FILLED)
+            multiply(src, slots[src])
+    main.wait_stream(compute)
     main.wait_stream(side)
     return [gathered.view(*token_sizes, k), *outs]
+
+
+def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+    return _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=False)
+
+
+def ag_mm_overlapped_gemms(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+    return _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=True)
 
 
 def _mm_rs_partials(a, weight, group_name, world_size) -> tuple[Tensor, list[Tensor]]:
@@ -148,3 +163,6 @@ def mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_
 
 CE_OVERLAP = register(Strategy("ce_overlap", ag_mm=ag_mm, mm_rs=mm_rs, mm_rs_rms_norm=mm_rs_rms_norm, available=_available,
                               cudagraph_trees_safe=False))
+# The same pipeline with the peers' GEMMs on a second compute stream (all-gather side only: for mm_rs a
+# concurrent own-rows GEMM would only delay the push).
+CE_OVERLAP_2S = register(Strategy("ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False))
