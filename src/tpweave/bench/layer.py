@@ -158,7 +158,7 @@ def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_
     group, ws = ctx.group_name, ctx.world_size
     if site.kind == "ag_scaled_mm":
         xq, x_scale = fp8.quantize_rows(torch.randn(-(-m // ws), site.k, device=ctx.device, dtype=dtype))
-        fns = {n: (lambda n=n: torch.ops.tpweave.ag_scaled_mm(xq, x_scale, [wq], [w_scale], [None], [m], group, ws, dtype, n))
+        fns = {n: (lambda n=n: torch.ops.tpweave.ag_scaled_mm(xq, x_scale, [wq], [w_scale], [None], [m], group, ws, dtype, n, False))
                for n in names}
     else:
         xq, x_scale = fp8.quantize_rows(torch.randn(m, site.k, device=ctx.device, dtype=dtype))

@@ -104,7 +104,7 @@ def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str
         _, token_sizes, group_name, world_size = ag_x.args
         policy = policy_for("ag_scaled_mm", int(val(ag_x).shape[-1]), sum(int(val(mm.args[1]).shape[0]) for mm in mms))
         args = (ag_x.args[0], ag_s.args[0], [mm.args[1] for mm in mms], [mm.args[3] for mm in mms], [mm.args[4] for mm in mms],
-                token_sizes, group_name, world_size, mms[0].args[5], policy)
+                token_sizes, group_name, world_size, mms[0].args[5], policy, True)
         fused = edit.insert(tpw.ag_scaled_mm.default, args, before=first)
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(mms) + 2)]
@@ -116,6 +116,8 @@ def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str
         for g, o in ((ag_x, outs[0]), (ag_s, outs[1])):
             g.replace_all_uses_with(o)
             graph.erase_node(g)
+        if not outs[0].users and not outs[1].users:
+            fused.update_arg(len(args) - 1, False)  # need_gathered: nothing reads A or its scales
         for o in outs:
             if not o.users:
                 graph.erase_node(o)

@@ -168,15 +168,17 @@ def ag_scaled_mm(
     world_size: int,
     out_dtype: torch.dtype,
     policy: str,
+    need_gathered: bool = True,
 ) -> list[Tensor]:
     """FP8 ag_mm: [A, A_scale, scaled_mm(A, W_0, A_scale, w_scale_0) (+ b_0), ...] with A (N, K) FP8 and
-    A_scale (N, 1) gathered from the token shards; W_i (N_i, K) FP8, w_scale_i (N_i,)."""
+    A_scale (N, 1) gathered from the token shards; W_i (N_i, K) FP8, w_scale_i (N_i,). need_gathered as in ag_mm."""
     strategy = pick(policy, math.prod(token_sizes), x_local, "ag_scaled_mm")
-    return strategy.ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype)
+    return strategy.ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype,
+                                 need_gathered=need_gathered)
 
 
 @ag_scaled_mm.register_fake
-def _(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, policy):
+def _(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, policy, need_gathered=True):
     num_tokens = math.prod(token_sizes)
     return [x_local.new_empty(*token_sizes, *x_local.shape[1:]), x_scale_local.new_empty(*token_sizes, *x_scale_local.shape[1:])] + [
         x_local.new_empty(num_tokens, w.shape[0], dtype=out_dtype) for w in weights

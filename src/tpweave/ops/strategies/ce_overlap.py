@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -51,48 +52,62 @@ def _token_range(rank: int, rows: int, num_tokens: int) -> tuple[int, int]:
     return lo, min(lo + rows, num_tokens)
 
 
-def _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered: bool, overlap_gemms: bool):
-    """overlap_gemms: the peers' GEMMs run on a second compute stream, so each can start while the
-    previous one's last wave still runs (a split GEMM's tail costs less); else one after another."""
-    num_tokens, (rows, k) = math.prod(token_sizes), x_local.shape
-    x_local = x_local.contiguous()
-    handle, slots = _slots(group_name, world_size, rows, k, x_local)
-    rank = handle.rank
-    main, side = torch.cuda.current_stream(), _side_stream(x_local.device)
-    outs = [x_local.new_empty(num_tokens, w.shape[1]) for w in weights]
-    gathered = x_local.new_empty(num_tokens, k)
+def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, world_size: int,
+                        consume: Callable[[int, int, list[Tensor]], None], *, overlap_gemms: bool) -> None:
+    """Push this rank's shard tensors `parts` (each (rows, width_i): FP8 rows and their scales, say) into
+    every peer's receive slots; call consume(lo, hi, [part rows]) for the own rows at once and for each
+    peer's rows once they arrived. Returns with the caller's stream after everything."""
+    rows = parts[0].shape[0]
+    assert len({p.dtype for p in parts}) == len(parts), "one receive buffer per dtype: parts must differ in dtype"
+    # width 1 parts ((rows, 1) scales) and wider ones: one buffer per dtype, each sized for its part
+    slots = [_slots(group_name, world_size, rows, p.numel() // max(rows, 1), p) for p in parts]
+    handle, rank = slots[0][0], slots[0][0].rank
+    main, side = torch.cuda.current_stream(), _side_stream(parts[0].device)
 
     side.wait_stream(main)
     with torch.cuda.stream(side):
         handle.barrier(channel=_BARRIER)
         for step in range(1, world_size):
-            peer = (rank - step) % world_size  # the peer that multiplies this shard at its `step`
-            handle.get_buffer(peer, (rows, k), x_local.dtype, rank * rows * k).copy_(x_local)
-            handle.put_signal(peer, channel=_FILLED)
+            peer = (rank - step) % world_size  # the peer that consumes this shard at its `step`
+            for part, (part_handle, _) in zip(parts, slots):
+                width = part.numel() // max(rows, 1)
+                part_handle.get_buffer(peer, (rows, width), part.dtype, rank * rows * width).copy_(part.reshape(rows, width))
+            handle.put_signal(peer, channel=_FILLED)  # after the copies: same stream
 
-    def multiply(src: int, a_rows: Tensor) -> None:
+    def run(src: int, rows_of_src: list[Tensor]) -> None:
         lo, hi = _token_range(src, rows, num_tokens)
-        if hi == lo:
-            return
-        a_rows = a_rows[: hi - lo]
-        for out, w, b in zip(outs, weights, biases):
-            if b is None:
-                torch.mm(a_rows, w, out=out[lo:hi])
-            else:
-                torch.addmm(b, a_rows, w, out=out[lo:hi])
-        if need_gathered:
-            gathered[lo:hi].copy_(a_rows)
+        if hi > lo:
+            consume(lo, hi, [t[: hi - lo] for t in rows_of_src])
 
-    compute = _side_stream(x_local.device, "compute") if overlap_gemms else main
+    compute = _side_stream(parts[0].device, "compute") if overlap_gemms else main
     compute.wait_stream(main)
-    multiply(rank, x_local)
+    run(rank, [p.reshape(rows, -1) for p in parts])
     with torch.cuda.stream(compute):
         for step in range(1, world_size):
             src = (rank + step) % world_size
             handle.wait_signal(src, channel=_FILLED)
-            multiply(src, slots[src])
+            run(src, [part_slots[src] for _, part_slots in slots])
     main.wait_stream(compute)
     main.wait_stream(side)
+
+
+def _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered: bool, overlap_gemms: bool):
+    """overlap_gemms: the peers' GEMMs run on a second compute stream, so each can start while the
+    previous one's last wave still runs (a split GEMM's tail costs less); else one after another."""
+    num_tokens, k = math.prod(token_sizes), x_local.shape[-1]
+    outs = [x_local.new_empty(num_tokens, w.shape[1]) for w in weights]
+    gathered = x_local.new_empty(num_tokens, k)
+
+    def consume(lo, hi, parts):
+        for out, w, b in zip(outs, weights, biases):
+            if b is None:
+                torch.mm(parts[0], w, out=out[lo:hi])
+            else:
+                torch.addmm(b, parts[0], w, out=out[lo:hi])
+        if need_gathered:
+            gathered[lo:hi].copy_(parts[0])
+
+    _gather_and_consume([x_local.contiguous()], num_tokens, group_name, world_size, consume, overlap_gemms=overlap_gemms)
     return [gathered.view(*token_sizes, k), *outs]
 
 
@@ -104,23 +119,46 @@ def ag_mm_overlapped_gemms(x_local, weights, biases, token_sizes, group_name, wo
     return _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=True)
 
 
-def _mm_rs_partials(a, weight, group_name, world_size) -> tuple[Tensor, list[Tensor]]:
-    """(this rank's own partial rows, the partial rows every peer pushed here), all (rows, H); the
-    caller's stream has waited for every push."""
-    num_tokens, h = a.shape[0], weight.shape[1]
+def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, *,
+                 need_gathered=True):
+    """FP8: the shard's FP8 rows and their (rows, 1) scales travel together; each chunk's scaled matmuls
+    start when both arrived."""
+    num_tokens, k = math.prod(token_sizes), x_local.shape[-1]
+    outs = [x_local.new_empty(num_tokens, w.shape[0], dtype=out_dtype) for w in weights]
+    gathered = x_local.new_empty(num_tokens, k)
+    gathered_scale = x_scale_local.new_empty(num_tokens, *x_scale_local.shape[1:])
+
+    def consume(lo, hi, parts):
+        xq, xs = parts
+        for out, w, ws, b in zip(outs, weights, w_scales, biases):
+            out[lo:hi].copy_(torch.ops.tpweave.scaled_mm(xq, w, xs, ws, b, out_dtype))
+        if need_gathered:
+            gathered[lo:hi].copy_(xq)
+            gathered_scale[lo:hi].copy_(xs.reshape(hi - lo, *x_scale_local.shape[1:]))
+
+    parts = [x_local.contiguous(), x_scale_local.float().contiguous()]
+    _gather_and_consume(parts, num_tokens, group_name, world_size, consume, overlap_gemms=False)
+    return [gathered.view(*token_sizes, k), gathered_scale.view(*token_sizes, *x_scale_local.shape[1:]), *outs]
+
+
+def _produce_and_push(num_tokens: int, width: int, like: Tensor, matmul_rows: Callable[[int, int], Tensor],
+                      group_name: str, world_size: int) -> tuple[Tensor, list[Tensor]]:
+    """(this rank's own partial rows, the partial rows every peer pushed here), all (ceil(N/TP), width);
+    matmul_rows(lo, hi) computes rows [lo, hi) of the full partial product. The caller's stream has
+    waited for every push."""
     rows = -(-num_tokens // world_size)
-    handle, slots = _slots(group_name, world_size, rows, h, a)
+    handle, slots = _slots(group_name, world_size, rows, width, like)
     rank = handle.rank
-    main, side = torch.cuda.current_stream(), _side_stream(a.device)
+    main, side = torch.cuda.current_stream(), _side_stream(like.device)
 
     def partial(dst: int) -> Tensor:
-        """(rows, H): a's rows of `dst`'s shard times weight, zero rows for the padded tail."""
+        """(rows, width): the rows of `dst`'s shard, zero rows for the padded tail."""
         lo, hi = _token_range(dst, rows, num_tokens)
-        out = a.new_empty(rows, h)
+        if hi - lo == rows:
+            return matmul_rows(lo, hi)
+        out = like.new_zeros(rows, width)
         if hi > lo:
-            torch.mm(a[lo:hi], weight, out=out[: hi - lo])
-        if hi - lo < rows:
-            out[hi - lo :].zero_()
+            out[: hi - lo].copy_(matmul_rows(lo, hi))
         return out
 
     side.wait_stream(main)
@@ -133,7 +171,7 @@ def _mm_rs_partials(a, weight, group_name, world_size) -> tuple[Tensor, list[Ten
         in_flight.append(rows_for_peer)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            handle.get_buffer(peer, (rows, h), a.dtype, rank * rows * h).copy_(rows_for_peer)
+            handle.get_buffer(peer, (rows, width), like.dtype, rank * rows * width).copy_(rows_for_peer)
             handle.put_signal(peer, channel=_FILLED)
     own = partial(rank)
     received = []
@@ -145,24 +183,33 @@ def _mm_rs_partials(a, weight, group_name, world_size) -> tuple[Tensor, list[Ten
     return own, received
 
 
-def mm_rs(a, weight, group_name, world_size):
-    own, received = _mm_rs_partials(a, weight, group_name, world_size)
+def _sum(own: Tensor, received: list[Tensor]) -> Tensor:
     for slot in received:
         own.add_(slot)
     return own
 
 
+def mm_rs(a, weight, group_name, world_size):
+    own, received = _produce_and_push(a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size)
+    return _sum(own, received)
+
+
 def mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size):
     """mm_rs whose last reduction step is the residual add + RMSNorm kernel's second summand."""
-    own, received = _mm_rs_partials(a, weight, group_name, world_size)
-    for slot in received[:-1]:
-        own.add_(slot)
+    own, received = _produce_and_push(a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size)
+    own = _sum(own, received[:-1])
     return rms_norm.add_rms_norm(own, residual, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32,
                                  s2=received[-1] if received else None)
 
 
-CE_OVERLAP = register(Strategy("ce_overlap", ag_mm=ag_mm, mm_rs=mm_rs, mm_rs_rms_norm=mm_rs_rms_norm, available=_available,
-                              cudagraph_trees_safe=False))
+def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    like = a.new_empty(0, dtype=out_dtype)
+    matmul_rows = lambda lo, hi: torch.ops.tpweave.scaled_mm(a[lo:hi], weight, a_scale[lo:hi], w_scale, None, out_dtype)  # noqa: E731
+    return _sum(*_produce_and_push(a.shape[0], weight.shape[0], like, matmul_rows, group_name, world_size))
+
+
+CE_OVERLAP = register(Strategy("ce_overlap", ag_mm=ag_mm, mm_rs=mm_rs, mm_rs_rms_norm=mm_rs_rms_norm, ag_scaled_mm=ag_scaled_mm,
+                              scaled_mm_rs=scaled_mm_rs, available=_available, cudagraph_trees_safe=False))
 # The same pipeline with the peers' GEMMs on a second compute stream (all-gather side only: for mm_rs a
 # concurrent own-rows GEMM would only delay the push).
 CE_OVERLAP_2S = register(Strategy("ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False))

@@ -18,7 +18,8 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.tpweave.reduce_scatter_tokens(a @ weight, 1, group_name, world_size)
 
 
-def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype):
+def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, *,
+                 need_gathered=True):
     gather = torch.ops.tpweave.all_gather_tokens
     a, a_scale = (gather(t, token_sizes, group_name, world_size) for t in (x_local, x_scale_local))
     a2, s2 = a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, 1)

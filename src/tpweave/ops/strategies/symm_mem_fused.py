@@ -48,7 +48,8 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, weight, "sum", 0, group_name)
 
 
-def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype):
+def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, *,
+                 need_gathered=True):
     """torch's fused_all_gather_scaled_matmul: FP8 rows and their row-wise scales gathered while the
     scaled matmuls of the chunks that arrived run. Not yet measured on a GPU: policies choose it
     only where a calibration table does."""
