@@ -39,11 +39,18 @@ def _available(x: Tensor) -> bool:
     return x.is_cuda and symm_buffers.has_symm_mem_ops()
 
 
+def _slot_stride(rows: int, width: int) -> int:
+    """Elements from one receive slot to the next: rounded up so every slot starts 16-byte aligned
+    (the FP8 matmuls read (rows, 1) scale slots whose row count may be odd)."""
+    return -(-rows * width // 16) * 16
+
+
 def _slots(group_name: str, world_size: int, rows: int, width: int, like: Tensor):
     """(handle, [this rank's receive slot of each source rank]); a slot holds (rows, width)."""
-    buf = symm_buffers.reserve(group_name, world_size * rows * width, like.dtype, like.device, tag="ce_overlap")
+    stride = _slot_stride(rows, width)
+    buf = symm_buffers.reserve(group_name, world_size * stride, like.dtype, like.device, tag="ce_overlap")
     handle = symm_buffers.handle(buf)
-    return handle, [buf[r * rows * width : (r + 1) * rows * width].view(rows, width) for r in range(world_size)]
+    return handle, [buf[r * stride : r * stride + rows * width].view(rows, width) for r in range(world_size)]
 
 
 def _token_range(rank: int, rows: int, num_tokens: int) -> tuple[int, int]:
@@ -71,7 +78,8 @@ def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, w
             peer = (rank - step) % world_size  # the peer that consumes this shard at its `step`
             for part, (part_handle, _) in zip(parts, slots):
                 width = part.numel() // max(rows, 1)
-                part_handle.get_buffer(peer, (rows, width), part.dtype, rank * rows * width).copy_(part.reshape(rows, width))
+                offset = rank * _slot_stride(rows, width)
+                part_handle.get_buffer(peer, (rows, width), part.dtype, offset).copy_(part.reshape(rows, width))
             handle.put_signal(peer, channel=_FILLED)  # after the copies: same stream
 
     def run(src: int, rows_of_src: list[Tensor]) -> None:
@@ -171,7 +179,7 @@ def _produce_and_push(num_tokens: int, width: int, like: Tensor, matmul_rows: Ca
         in_flight.append(rows_for_peer)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            handle.get_buffer(peer, (rows, width), like.dtype, rank * rows * width).copy_(rows_for_peer)
+            handle.get_buffer(peer, (rows, width), like.dtype, rank * _slot_stride(rows, width)).copy_(rows_for_peer)
             handle.put_signal(peer, channel=_FILLED)
     own = partial(rank)
     received = []
@@ -204,7 +212,13 @@ def mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
     like = a.new_empty(0, dtype=out_dtype)
-    matmul_rows = lambda lo, hi: torch.ops.tpweave.scaled_mm(a[lo:hi], weight, a_scale[lo:hi], w_scale, None, out_dtype)  # noqa: E731
+
+    def matmul_rows(lo, hi):
+        scale = a_scale[lo:hi]
+        if scale.data_ptr() % 16:  # the scale vector of a scaled matmul starts 16-byte aligned
+            scale = scale.clone()
+        return torch.ops.tpweave.scaled_mm(a[lo:hi], weight, scale, w_scale, None, out_dtype)
+
     return _sum(*_produce_and_push(a.shape[0], weight.shape[0], like, matmul_rows, group_name, world_size))
 
 
