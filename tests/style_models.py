@@ -1,6 +1,6 @@
 """More TP model styles for the compiler: post-norm, parallel attention+MLP, Gemma-like norms and
 scaled embeddings, fused residual that returns (normed, residual), last-token LM head, funcol
-all_reduce, several outputs. Each is small; weights come from a seed and are sliced by rank."""
+all_reduce, several outputs, GPT-2-like row-parallel bias after the reduction with a scaled residual. Each is small; weights come from a seed and are sliced by rank."""
 from __future__ import annotations
 
 import torch
@@ -27,6 +27,7 @@ class StyleModel(nn.Module):
         self.w_out = nn.ParameterList([nn.Parameter(_rand(gen, H, I)[:, cols], requires_grad=False) for _ in range(2)])
         self.norm_w = nn.Parameter(0.1 * torch.randn(3, H, generator=gen), requires_grad=False)
         self.head = nn.Parameter(_rand(gen, V, H), requires_grad=False)
+        self.b_out = nn.Parameter(0.1 * torch.randn(2, H, generator=gen), requires_grad=False)  # row-parallel bias
 
     def _reduce(self, y):
         if self.style == "funcol":
@@ -38,7 +39,9 @@ class StyleModel(nn.Module):
         if self.style == "gemma":  # (1 + w), computed in fp32, eps inside the sqrt
             x32 = x.float()
             return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.norm_w[i].float())).type_as(x)
-        return F.layer_norm(x, (H,), 1 + self.norm_w[i], None, 1e-5) if self.style == "postnorm" else F.rms_norm(x, (H,), 1 + self.norm_w[i], 1e-6)
+        if self.style in ("postnorm", "row_bias"):
+            return F.layer_norm(x, (H,), 1 + self.norm_w[i], 0.1 * self.norm_w[i], 1e-5)
+        return F.rms_norm(x, (H,), 1 + self.norm_w[i], 1e-6)
 
     def _mlp(self, x, j):
         return self._reduce(F.gelu(x @ self.w_in[j].t()) @ self.w_out[j].t())
@@ -62,10 +65,13 @@ class StyleModel(nn.Module):
                 residual = out + residual
                 h = self._norm(residual, j + 1)
             return h[-1:] @ self.head.t(), residual  # last-token logits and the residual stream
+        elif self.style == "row_bias":  # GPT-2 / OPT: pre-LayerNorm, bias added once after the reduction, scaled residual
+            for j in range(2):
+                x = 0.5 * x + (self._mlp(self._norm(x, j), j) + self.b_out[j])
         else:
             for j in range(2):
                 x = x + self._mlp(self._norm(x, j), j)
         return self._norm(x, 2) @ self.head.t()
 
 
-STYLES = ["postnorm", "parallel", "gemma", "fused_residual", "funcol"]
+STYLES = ["postnorm", "parallel", "gemma", "fused_residual", "funcol", "row_bias"]

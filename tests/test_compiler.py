@@ -214,7 +214,7 @@ def test_all_reduce_norm_fusion_across_styles():
     counts = [1, 5, 33]
     reference = tpweave.launch(workers.style_outputs, STYLES, counts, False, nprocs=1)[0]
     results = tpweave.launch(workers.style_outputs, STYLES, counts, True, FUSED_NORM, nprocs=2)
-    expect_fused = {"postnorm": 0, "parallel": 1, "gemma": 2, "fused_residual": 2, "funcol": 2}
+    expect_fused = {"postnorm": 0, "parallel": 1, "gemma": 2, "fused_residual": 2, "funcol": 2, "row_bias": 0}
     for rank_out in results:
         for style in STYLES:
             eager, compiled, (num_compiles, [(before, after)], text, sites) = rank_out[style]
@@ -288,4 +288,4 @@ def test_reduce_scatter_norm_fusion_across_styles():
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
                     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)
         # post-norm LayerNorm: no RMSNorm; parallel residual: its one reduce-scatter sums two matmuls (no mm_rs)
-        assert num_fused == {"postnorm": 0, "parallel": 0, "gemma": 2, "fused_residual": 2, "funcol": 2}
+        assert num_fused == {"postnorm": 0, "parallel": 0, "gemma": 2, "fused_residual": 2, "funcol": 2, "row_bias": 0}
