@@ -66,12 +66,13 @@ def test_all_reduce_rms_norm_strategies_match_reference():
     counts, hidden_sizes = [1, 3, 64, 200, 1000], [4096, 5120]
     out = tpweave.launch(workers.gpu_all_reduce_rms_norm, counts, hidden_sizes, nprocs=GPU_RANKS, backend="nccl")
     for rank_out in out:
-        assert "triton_ar_norm" in rank_out["names"] and "sequential" in rank_out["names"]
+        assert {"triton_ar_norm", "triton_ar_norm_1b", "sequential"} <= set(rank_out["names"])
         for key, worst in rank_out["worst"].items():
             # bf16 output: one rounding apart at most (values are O(1) after the norm; h up to ~6)
             assert worst <= 6e-2, (key, worst)
             assert rank_out["ranks_equal"][key], key
-        assert rank_out["graph_worst"] <= 6e-2
+        assert set(rank_out["graph_worst"]) >= {"triton_ar_norm", "triton_ar_norm_1b"}
+        assert max(rank_out["graph_worst"].values()) <= 6e-2, rank_out["graph_worst"]
 
 
 @pytest.mark.gpu(gpus=2)  # symmetric memory refuses two ranks on one device
