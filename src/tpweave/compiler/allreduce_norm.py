@@ -22,6 +22,7 @@ import torch.fx as fx
 from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, is_tensor_node, tpw, val
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
+from tpweave.ops.overlap import STRATEGIES, parse_policy
 
 CONVERT = torch.ops.prims.convert_element_type.default
 KIND = "all_reduce_rms_norm"
@@ -166,8 +167,6 @@ def fuse_all_reduce_norms(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callabl
 def fuse_reduce_scatter_norms(graph: fx.Graph, *, report: GraphReport) -> None:
     """SP graph, after async TP: tpweave::mm_rs -> (+ residual) -> RMSNorm becomes tpweave::mm_rs_rms_norm
     where the site's policy names a strategy that finishes its reduction inside the norm kernel."""
-    from tpweave.ops.overlap import STRATEGIES, parse_policy
-
     edit = GraphEditor(graph)
     for mm_rs in [n for n in graph.nodes if n.target is tpw.mm_rs.default]:
         a, w, group_name, world_size, policy = mm_rs.args

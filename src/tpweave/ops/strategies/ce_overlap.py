@@ -32,6 +32,7 @@ _BARRIER, _FILLED = 0, 1
 
 @functools.lru_cache(maxsize=None)
 def _side_stream(device: torch.device, role: str = "copy") -> torch.cuda.Stream:
+    """One stream per (device, role): "copy" for the pushes and signals, "compute" for ce_overlap_2s."""
     return torch.cuda.Stream(device=device)
 
 
@@ -64,10 +65,10 @@ def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, w
     """Push this rank's shard tensors `parts` (each (rows, width_i): FP8 rows and their scales, say) into
     every peer's receive slots; call consume(lo, hi, [part rows]) for the own rows at once and for each
     peer's rows once they arrived. Returns with the caller's stream after everything."""
-    rows = parts[0].shape[0]
+    rows = parts[0].shape[0]  # >= 1: a shard holds ceil(N/TP) rows of N >= 1 tokens
     assert len({p.dtype for p in parts}) == len(parts), "one receive buffer per dtype: parts must differ in dtype"
-    # width 1 parts ((rows, 1) scales) and wider ones: one buffer per dtype, each sized for its part
-    slots = [_slots(group_name, world_size, rows, p.numel() // max(rows, 1), p) for p in parts]
+    widths = [p.numel() // rows for p in parts]
+    slots = [_slots(group_name, world_size, rows, width, p) for p, width in zip(parts, widths)]
     handle, rank = slots[0][0], slots[0][0].rank
     main, side = torch.cuda.current_stream(), _side_stream(parts[0].device)
 
@@ -76,8 +77,7 @@ def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, w
         handle.barrier(channel=_BARRIER)
         for step in range(1, world_size):
             peer = (rank - step) % world_size  # the peer that consumes this shard at its `step`
-            for part, (part_handle, _) in zip(parts, slots):
-                width = part.numel() // max(rows, 1)
+            for part, width, (part_handle, _) in zip(parts, widths, slots):
                 offset = rank * _slot_stride(rows, width)
                 part_handle.get_buffer(peer, (rows, width), part.dtype, offset).copy_(part.reshape(rows, width))
             handle.put_signal(peer, channel=_FILLED)  # after the copies: same stream
@@ -89,7 +89,7 @@ def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, w
 
     compute = _side_stream(parts[0].device, "compute") if overlap_gemms else main
     compute.wait_stream(main)
-    run(rank, [p.reshape(rows, -1) for p in parts])
+    run(rank, [p.reshape(rows, width) for p, width in zip(parts, widths)])
     with torch.cuda.stream(compute):
         for step in range(1, world_size):
             src = (rank + step) % world_size

@@ -203,11 +203,12 @@ def _fixed_grid(num_rows: int, world_size: int) -> int:
     return min(triton.next_power_of_2(max(num_rows, 1)), _max_programs(world_size))
 
 
-def all_reduce_rms_norm_one_barrier(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, weight_in_fp32: bool,
-                                    group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
-    """triton_ar_norm with one barrier per call instead of two: the data buffer has two halves used on
-    alternate calls, and a barrier passed at call k means every peer finished call k - 1's kernel, the
-    last reader of the half call k + 1 overwrites."""
+def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, weight_in_fp32: bool,
+                               group_name: str, world_size: int, *, one_barrier: bool) -> tuple[Tensor, Tensor]:
+    """one_barrier=False: `_all_reduce_rms_norm_kernel` (barrier, sum, barrier again before the buffer is
+    reused). True: `_all_reduce_rms_norm_1b_kernel`: the data buffer has two halves used on alternate
+    calls, and a barrier passed at call k means every peer finished call k - 1's kernel, the last reader
+    of the half call k + 1 overwrites."""
     hidden = x.shape[-1]
     if world_size & (world_size - 1) or not rms_norm.triton_supported(x, weight) or (residual is not None and residual.dtype != x.dtype):
         from tpweave.ops.overlap import compose_all_reduce_rms_norm
@@ -215,50 +216,32 @@ def all_reduce_rms_norm_one_barrier(x: Tensor, residual: Tensor | None, weight: 
         return compose_all_reduce_rms_norm("sequential", x, residual, weight, eps, weight_in_fp32, group_name, world_size)
     x = x.contiguous()
     num_rows = x.numel() // hidden
-    grid = _fixed_grid(num_rows, world_size)
-    buf = symm_buffers.reserve(group_name, 2 * x.numel(), x.dtype, x.device, tag=f"ar_norm_1b_{grid}")
-    calls = _CALLS.get(id(buf))
-    if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
-        calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
-    handle = symm_buffers.handle(buf)
     h = torch.empty_like(x)
     y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
-    if num_rows:
-        _all_reduce_rms_norm_1b_kernel[(grid,)](
-            x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y,
-            handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows, buf.numel() // 2, eps,
-            H=hidden, BLOCK_H=rms_norm.block_h(hidden), RANK=handle.rank, WORLD=world_size,
-            HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_in_fp32, num_warps=rms_norm.num_warps_for(hidden),
-        )
+    if not num_rows:
+        return y, h
+    tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
+    meta = dict(H=hidden, BLOCK_H=rms_norm.block_h(hidden), WORLD=world_size, HAS_RESIDUAL=residual is not None,
+                WEIGHT_FP32=weight_in_fp32, num_warps=rms_norm.num_warps_for(hidden))
+    if one_barrier:
+        grid = _fixed_grid(num_rows, world_size)
+        buf = symm_buffers.reserve(group_name, 2 * x.numel(), x.dtype, x.device, tag=f"ar_norm_1b_{grid}")
+        calls = _CALLS.get(id(buf))
+        if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
+            calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
+        handle = symm_buffers.handle(buf)
+        _all_reduce_rms_norm_1b_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows,
+                                                buf.numel() // 2, eps, RANK=handle.rank, **meta)
+    else:
+        buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
+        handle = symm_buffers.handle(buf)
+        _all_reduce_rms_norm_kernel[(min(num_rows, _max_programs(world_size)),)](
+            *tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps, RANK=handle.rank, **meta)
     return y, h
 
 
-def all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, weight_in_fp32: bool,
-                        group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
-    hidden = x.shape[-1]
-    if world_size & (world_size - 1) or not rms_norm.triton_supported(x, weight) or (residual is not None and residual.dtype != x.dtype):
-        from tpweave.ops.overlap import compose_all_reduce_rms_norm
-
-        return compose_all_reduce_rms_norm("sequential", x, residual, weight, eps, weight_in_fp32, group_name, world_size)
-    x = x.contiguous()
-    buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
-    handle = symm_buffers.handle(buf)
-    h = torch.empty_like(x)
-    y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
-    num_rows = x.numel() // hidden
-    if num_rows:
-        grid = (min(num_rows, _max_programs(world_size)),)
-        _all_reduce_rms_norm_kernel[grid](
-            x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y,
-            handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps,
-            H=hidden, BLOCK_H=rms_norm.block_h(hidden), RANK=handle.rank, WORLD=world_size,
-            HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_in_fp32, num_warps=rms_norm.num_warps_for(hidden),
-        )
-    return y, h
-
-
-TRITON_AR_NORM = register(Strategy("triton_ar_norm", all_reduce_rms_norm=all_reduce_rms_norm, available=_available,
-                                   cudagraph_trees_safe=False))
+TRITON_AR_NORM = register(Strategy("triton_ar_norm", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, one_barrier=False),
+                                   available=_available, cudagraph_trees_safe=False))
 # Not measured yet (written when no 2-GPU machine was lent): the calibration table chooses it where it wins.
-TRITON_AR_NORM_1B = register(Strategy("triton_ar_norm_1b", all_reduce_rms_norm=all_reduce_rms_norm_one_barrier, available=_available,
-                                      cudagraph_trees_safe=False))
+TRITON_AR_NORM_1B = register(Strategy("triton_ar_norm_1b", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, one_barrier=True),
+                                      available=_available, cudagraph_trees_safe=False))
