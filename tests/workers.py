@@ -336,22 +336,48 @@ def fp8_outputs(ctx, source, token_counts, compile_model=True, **overrides):
     return out
 
 
+def capture_graph(fn):
+    """(CUDA graph, fn's outputs captured in it): how the GPU workers capture (the emulated ranks of
+    tests/emulated_ranks.py pass their own)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _draw(seed, *shape, device, dtype=torch.bfloat16):
+    return torch.randn(*shape, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(seed))
+
+
+def _fingerprint(t):
+    """An integer that differs when any bit of t does (ranks compare their outputs without a collective)."""
+    bits = t.contiguous().view(-1).view(torch.int16).to(torch.int64)
+    return int((bits * (torch.arange(bits.numel(), device=t.device) % 65521 + 1)).sum())
+
+
 @torch.no_grad()
-def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes):
-    """tpweave::all_reduce_rms_norm under every strategy that serves it vs NCCL all-reduce + the
-    reference add + norm; then the fused kernel captured in a CUDA graph and replayed on new data."""
+def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None, capture=capture_graph):
+    """tpweave::all_reduce_rms_norm under every strategy that serves it (or `names`) vs the sum of every
+    rank's input + the reference add + norm (each rank draws every rank's input from seeds); then each
+    triton kernel captured in a CUDA graph and replayed on new data, interleaved with eager calls."""
     from tpweave.ops import rms_norm
     from tpweave.ops.overlap import STRATEGIES
 
-    names = [n for n, s in STRATEGIES.items() if (s.all_reduce_rms_norm or s.all_reduce) and s.available(torch.empty(0, device=ctx.device))]
-    out = {"names": names, "worst": {}, "ranks_equal": {}}
+    if names is None:
+        names = [n for n, s in STRATEGIES.items() if (s.all_reduce_rms_norm or s.all_reduce) and s.available(torch.empty(0, device=ctx.device))]
+    out = {"names": names, "worst": {}, "h_fingerprint": {}}
+
+    def partials(m, hidden, seed):
+        """(this rank's partial sum, the sum over ranks rounded like the kernel: fp32 sum, one rounding)"""
+        xs = [_draw(seed * 97 + r, m, hidden, device=ctx.device) for r in range(ctx.world_size)]
+        return xs[ctx.rank], sum(x.float() for x in xs).to(torch.bfloat16)
+
     for hidden in hidden_sizes:
         for m in token_counts:
-            gen = torch.Generator(device=ctx.device).manual_seed(m * 31 + hidden)
-            x = torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen) * (ctx.rank + 1)
-            res = torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen)
-            w = torch.rand(hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen) + 0.5
-            summed = collectives.all_reduce(x.clone(), ctx.group_name)
+            x, summed = partials(m, hidden, m * 31 + hidden)
+            res = _draw(m * 31 + hidden + 7, m, hidden, device=ctx.device)
+            w = torch.rand(hidden, device=ctx.device, dtype=torch.bfloat16, generator=torch.Generator(device=ctx.device).manual_seed(m)) + 0.5
             for residual in (res, None):
                 for in_fp32 in (False, True):
                     want = rms_norm.add_rms_norm_reference(summed, residual, w, eps=1e-5, weight_in_fp32=in_fp32)
@@ -359,10 +385,9 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes):
                         got = torch.ops.tpweave.all_reduce_rms_norm(x, residual, w, 1e-5, in_fp32, ctx.group_name, ctx.world_size, name)
                         key = (name, hidden, m, residual is not None, in_fp32)
                         out["worst"][key] = max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, want))
-                        gathered = collectives.all_gather_dim0(got[1].contiguous(), ctx.world_size, ctx.group_name)
-                        out["ranks_equal"][key] = bool((gathered.view(ctx.world_size, *got[1].shape) == got[1]).all())
+                        out["h_fingerprint"][key] = _fingerprint(got[1])
     # CUDA graph: the barrier protocols must survive replays (signal pads reset, or call numbers kept
-    # on the device), interleaved with eager calls of another M on the same buffers
+    # on the device), interleaved with eager calls of the same M on the same buffers
     out["graph_worst"] = {}
     hidden = hidden_sizes[0]
     for name in [n for n in names if n.startswith("triton_")]:
@@ -373,75 +398,109 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes):
             w = torch.ones(hidden, device=ctx.device, dtype=torch.bfloat16)
             op = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, res, w, 1e-5, False, ctx.group_name, ctx.world_size, name)  # noqa: E731
             op()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y_g, h_g = op()
+            graph, (y_g, h_g) = capture(op)
             for step in range(20):
-                gen = torch.Generator(device=ctx.device).manual_seed(1000 + step)
-                x.copy_(torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen) * (ctx.rank + 1))
-                res.copy_(torch.randn(m, hidden, device=ctx.device, dtype=torch.bfloat16, generator=gen))
+                x_new, summed = partials(m, hidden, 1000 + step)
+                x.copy_(x_new)
+                res.copy_(_draw(2000 + step, m, hidden, device=ctx.device))
                 graph.replay()
+                want = rms_norm.add_rms_norm_reference(summed, res, w, eps=1e-5, weight_in_fp32=False)
+                worst = max(worst, float((y_g.float() - want[0].float()).abs().max()), float((h_g.float() - want[1].float()).abs().max()))
                 if step % 5 == 4:  # an eager call in between: the next replay finds the buffers one call on
                     op()
-                want = rms_norm.add_rms_norm_reference(collectives.all_reduce(x.clone(), ctx.group_name), res, w, eps=1e-5, weight_in_fp32=False)
-                worst = max(worst, float((y_g.float() - want[0].float()).abs().max()), float((h_g.float() - want[1].float()).abs().max()))
+            del graph
         out["graph_worst"][name] = worst
     return out
 
 
-def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
-    """ag_mm and mm_rs of strategy `name`, eager back to back and as CUDA-graph replays on new data,
-    against a reference every rank computes alone (each rank draws every rank's inputs from seeds).
-    Returns the worst error relative to the reference's largest value, per (kind, M, eager|graph)."""
+@torch.no_grad()
+def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6, capture=capture_graph):
+    """Every op strategy `name` implements (ag_mm, mm_rs, mm_rs_rms_norm, FP8 ag_scaled_mm and
+    scaled_mm_rs), eager back to back and as CUDA-graph replays on new data, against a reference every
+    rank computes alone in fp32 (each rank draws every rank's inputs from seeds). Returns
+    {"ops": [...], (M, "eager", step) | (M, "graph"): {output: worst error relative to the reference's
+    largest value}}."""
+    from tpweave.ops import fp8
     from tpweave.ops.overlap import STRATEGIES
 
-    dtype = torch.bfloat16
-    tp, rank = ctx.world_size, ctx.rank
-    w = torch.randn(n, k, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(7)).t() * k**-0.5
-    w2 = torch.randn(k, n, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(8)).t() * n**-0.5
-    bias = torch.randn(n // 2, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(9))
+    strategy, tp, rank, dev = STRATEGIES[name], ctx.world_size, ctx.rank, ctx.device
+    ops = [op for op in ("ag_mm", "mm_rs", "mm_rs_rms_norm", "ag_scaled_mm", "scaled_mm_rs") if getattr(strategy, op) is not None]
+    if "ag_scaled_mm" in ops and not fp8.has_scaled_mm("cuda"):
+        ops = [op for op in ops if op not in ("ag_scaled_mm", "scaled_mm_rs")]
+    w = _draw(7, n, k, device=dev).t() * k**-0.5  # (k, n)
+    w2 = _draw(8, k, n, device=dev).t() * n**-0.5  # (n, k)
+    bias = _draw(9, n // 2, device=dev)
+    norm_w = torch.rand(k, device=dev, generator=torch.Generator(device=dev).manual_seed(10)).to(torch.bfloat16) + 0.5
+    wq, ws = fp8.quantize_weight(w.t(), per_channel=True)
+    w2q, w2s = fp8.quantize_weight(w2.t(), per_channel=True)
+    dequant = lambda q, s: q.float() * s.reshape(q.shape[0], 1)  # noqa: E731
 
     def inputs(m, seed):
+        """This rank's inputs, and every rank's shards / partial products' inputs for the reference."""
         rows = -(-m // tp)
-        draw = lambda r, *shape: torch.randn(*shape, device=ctx.device, dtype=dtype, generator=torch.Generator(device=ctx.device).manual_seed(seed * 97 + r))  # noqa: E731
-        shards = [draw(r, rows, k) for r in range(tp)]
-        partials = [draw(100 + r, m, n) for r in range(tp)]
-        return shards, partials
+        shards = [_draw(seed * 97 + r, rows, k, device=dev) for r in range(tp)]
+        partials = [_draw(seed * 97 + 100 + r, m, n, device=dev) for r in range(tp)]
+        mine = {"x": shards[rank], "a": partials[rank], "res": _draw(seed * 97 + 200 + rank, rows, k, device=dev)}
+        mine["xq"], mine["xs"] = fp8.quantize_rows(mine["x"])
+        mine["aq"], mine["as"] = fp8.quantize_rows(mine["a"])
+        return mine, shards, partials
 
-    def reference(m, shards, partials):
-        rows = -(-m // tp)
+    def reference(m, mine, shards, partials):
+        rows, want = -(-m // tp), {}
+        mine_rows = slice(rank * rows, (rank + 1) * rows)
         full = torch.cat(shards)[:m].float()
-        summed = sum(p.float() @ w2.float() for p in partials)
-        return [full, full @ w.float(), full @ w[:, : n // 2].float() + bias.float(), summed[rank * rows : (rank + 1) * rows]]
+        if "ag_mm" in ops:
+            want.update(gathered=full, out=full @ w.float(), out_bias=full @ w[:, : n // 2].float() + bias.float())
+        summed = sum(p.float() @ w2.float() for p in partials)[mine_rows]
+        if "mm_rs" in ops:
+            want["rs"] = summed
+        if "mm_rs_rms_norm" in ops:
+            h = summed + mine["res"][: len(summed)].float()
+            want["norm_y"] = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
+            want["norm_h"] = h
+        if "ag_scaled_mm" in ops:
+            quantized = [fp8.quantize_rows(s) for s in shards]
+            full_q, full_s = torch.cat([q for q, _ in quantized])[:m], torch.cat([s for _, s in quantized])[:m]
+            want.update(fp8_gathered=full_q.float(), fp8_scale=full_s, fp8_out=dequant(full_q, full_s) @ dequant(wq, ws).t())
+        if "scaled_mm_rs" in ops:
+            want["fp8_rs"] = sum(dequant(*fp8.quantize_rows(p)) @ dequant(w2q, w2s).t() for p in partials)[mine_rows]
+        return want
 
-    def run(x_local, a):  # m: the loop's current token count
-        ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, bias], [m], ctx.group_name, tp, name)
-        return [*ag, torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, tp, name)]
+    def run(mine):  # m: the loop's current token count
+        got, g = {}, ctx.group_name
+        if "ag_mm" in ops:
+            got["gathered"], got["out"], got["out_bias"] = torch.ops.tpweave.ag_mm(mine["x"], [w, w[:, : n // 2]], [None, bias], [m], g, tp, name)
+        if "mm_rs" in ops:
+            got["rs"] = torch.ops.tpweave.mm_rs(mine["a"], w2, g, tp, name)
+        if "mm_rs_rms_norm" in ops:
+            got["norm_y"], got["norm_h"] = torch.ops.tpweave.mm_rs_rms_norm(mine["a"], w2, mine["res"], norm_w, 1e-5, False, g, tp, name)
+        if "ag_scaled_mm" in ops:
+            got["fp8_gathered"], got["fp8_scale"], got["fp8_out"] = torch.ops.tpweave.ag_scaled_mm(
+                mine["xq"], mine["xs"], [wq], [ws], [None], [m], g, tp, torch.bfloat16, name)
+        if "scaled_mm_rs" in ops:
+            got["fp8_rs"] = torch.ops.tpweave.scaled_mm_rs(mine["aq"], mine["as"], w2q, w2s, g, tp, torch.bfloat16, name)
+        return got
 
     def worst(got, want):
-        return [float((g.float()[: len(r)] - r).abs().max() / max(1.0, float(r.abs().max()))) if r.numel() else 0.0 for g, r in zip(got, want)]
+        return {key: float((got[key].float()[: len(r)] - r).abs().max() / max(1.0, float(r.abs().max()))) if r.numel() else 0.0
+                for key, r in want.items()}
 
-    out = {"available": STRATEGIES[name].available(w)}
+    out = {"ops": ops, "available": strategy.available(w)}
     for m in token_counts:
         for step in range(3):  # back to back: a rank may start the next op while its peer still reads
-            shards, partials = inputs(m, step)
-            out[(m, "eager", step)] = worst(run(shards[rank], partials[rank]), reference(m, shards, partials))
-        shards, partials = inputs(m, 50)
-        x_static, a_static = shards[rank].clone(), partials[rank].clone()
-        run(x_static, a_static)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = run(x_static, a_static)
+            mine, shards, partials = inputs(m, step)
+            out[(m, "eager", step)] = worst(run(mine), reference(m, mine, shards, partials))
+        static, _, _ = inputs(m, 50)
+        run(static)
+        graph, got = capture(lambda: run(static))
         errs = []
         for step in range(num_replays):
-            shards, partials = inputs(m, 60 + step)
-            x_static.copy_(shards[rank])
-            a_static.copy_(partials[rank])
+            mine, shards, partials = inputs(m, 60 + step)
+            for key, t in static.items():
+                t.copy_(mine[key])
             graph.replay()
-            errs.append(worst(got, reference(m, shards, partials)))
-        out[(m, "graph")] = [max(e[i] for e in errs) for i in range(4)]
+            errs.append(worst(got, reference(m, mine, shards, partials)))
+        out[(m, "graph")] = {key: max(e[key] for e in errs) for key in errs[0]}
         del graph
     return out
 
