@@ -108,7 +108,7 @@ def test_ce_overlap_protocol_on_emulated_ranks(name, world_size):
     import emulated_ranks
 
     counts = [1, 7, 512, 1000]
-    out = emulated_ranks.run(world_size, workers.gpu_overlap_replays, name, counts, 1024, 1536, 6, emulated_ranks.capture_graph)
+    out = emulated_ranks.run(world_size, workers.gpu_overlap_replays, name, counts, 1024, 1536, 6, emulated_ranks.capture_graph, timeout_s=180)
     _check_overlap_replays(out, name, counts)
 
 
@@ -118,7 +118,7 @@ def test_ar_norm_protocols_on_emulated_ranks(world_size):
 
     names = ["triton_ar_norm", "triton_ar_norm_1b"]
     out = emulated_ranks.run(world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], names,
-                             emulated_ranks.capture_graph)
+                             emulated_ranks.capture_graph, timeout_s=180)
     _check_all_reduce_rms_norm(out, names)
 
 
