@@ -1,68 +1,61 @@
-"""Several TP ranks on ONE GPU, as threads of one process, for the symmetric-memory protocols of
-tpweave's own kernels (ce_overlap, triton_ar_norm*): torch's allocator refuses two ranks on one device,
-and a protocol bug (a slot overwritten while a peer reads it, a signal sent twice, a wrong offset)
-would otherwise only show on a multi-GPU machine, as a hang or wrong numbers.
+"""Several TP ranks on ONE GPU, one process each, for the symmetric-memory protocols of tpweave's own
+kernels (ce_overlap, triton_ar_norm*): torch's symmetric-memory allocator refuses two ranks on one
+device, and a protocol bug (a slot overwritten while a peer reads it, a signal sent twice, a wrong
+offset) would otherwise only show on a multi-GPU machine, as a hang or wrong numbers.
 
-Each thread is a rank with its own streams. `symm_buffers.reserve` / `handle` are replaced by buffers
-and signal pads in ordinary device memory that every rank addresses (rendezvous = a thread barrier,
-like torch's, at the same point of each rank's program), with torch's layout (pad[channel * world +
-src]) and semantics (put_signal: compare-and-swap 0 -> 1 with release, spinning while the slot is
-still set; wait_signal: 1 -> 0 with acquire; barrier: signal every peer, then wait for every peer).
+`symm_buffers.reserve` / `handle` are replaced by buffers and signal pads in ordinary device memory
+that every rank maps through CUDA IPC (rendezvous = a gloo all-gather of the IPC handles, at the
+same point of each rank's program as torch's), with torch's layout (pad[channel * world + src]) and
+semantics (put_signal: compare-and-swap 0 -> 1 with release, spinning while the slot is still set;
+wait_signal: 1 -> 0 with acquire; barrier: signal every peer, then wait for every peer). The ranks'
+CUDA contexts share the GPU by time slices, so a rank spinning on a signal gives way to its peer.
 What it checks: slot sizes and offsets, the order of pushes, signals and reads, buffer reuse over
 back-to-back calls and CUDA-graph replays, any M and world size. What it cannot: the weaker ordering
 of NVLink between GPUs, and any timing.
-
-`run(world_size, fn, *args)` runs fn(ctx, *args) on every emulated rank in a fresh process (so the
-CUDA settings below apply and a deadlock ends in a timeout, not a hung test session).
 """
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-import threading
-import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+import tpweave
 
 
 @dataclass
 class EmulatedContext:
     rank: int
     world_size: int
-    group_name: str = "emulated"
-    device: torch.device = torch.device("cuda", 0)
+    group_name: str
+    device: torch.device
 
 
-_RANK = threading.local()  # .rank of the calling thread
-
-
-def _signal_kernel():
+try:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def cas_spin(slot_ptr, EXPECTED: tl.constexpr, DESIRED: tl.constexpr, ACQUIRE: tl.constexpr):
-        # a scalar atomic: one thread of the program performs it
-        if ACQUIRE:
-            old = tl.atomic_cas(slot_ptr, EXPECTED, DESIRED, sem="acquire", scope="sys")
-            while old != EXPECTED:
-                old = tl.atomic_cas(slot_ptr, EXPECTED, DESIRED, sem="acquire", scope="sys")
-        else:
-            old = tl.atomic_cas(slot_ptr, EXPECTED, DESIRED, sem="release", scope="sys")
-            while old != EXPECTED:
-                old = tl.atomic_cas(slot_ptr, EXPECTED, DESIRED, sem="release", scope="sys")
+    from tpweave.ops.strategies.triton_ar_norm import _send_signal, _thread_id, _wait_signal
 
-    return cas_spin
+    @triton.jit
+    def _signal_kernel(slot_ptr, WAIT: tl.constexpr):
+        addrs = slot_ptr + tl.zeros([1], dtype=tl.int32)
+        if _thread_id() == 0:  # one thread: a second CAS 0 -> 1 would spin until the slot is consumed
+            if WAIT:
+                _wait_signal(addrs)
+            else:
+                _send_signal(addrs)
+except ImportError:  # CPU-only machines never run the emulation
+    _signal_kernel = None
 
 
 class EmulatedHandle:
-    """What tpweave's kernels use of torch's symmetric-memory handle, over one device."""
+    """What tpweave's kernels use of torch's symmetric-memory handle."""
 
-    def __init__(self, rank: int, world_size: int, bufs: list[torch.Tensor], pads: list[torch.Tensor], cas_spin):
+    def __init__(self, rank: int, world_size: int, bufs: list[torch.Tensor], pads: list[torch.Tensor], signal):
         self.rank, self.world_size = rank, world_size
-        self._bufs, self._pads, self._cas_spin = bufs, pads, cas_spin
+        self._bufs, self._pads, self._signal = bufs, pads, signal
         self._ptr_table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=bufs[0].device)
         self._pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=bufs[0].device)
         self.buffer_ptrs = [b.data_ptr() for b in bufs]
@@ -78,14 +71,13 @@ class EmulatedHandle:
             raise RuntimeError(f"get_buffer: {nbytes} bytes at offset {start} exceed the {raw.numel()}-byte buffer")
         return raw[start : start + nbytes].view(dtype).view(*sizes)
 
-    def _spin(self, pad: torch.Tensor, slot: int, expected: int, desired: int, acquire: bool) -> None:
-        self._cas_spin[(1,)](pad[slot : slot + 1], EXPECTED=expected, DESIRED=desired, ACQUIRE=acquire, num_warps=1)
-
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
-        self._spin(self._pads[dst_rank], channel * self.world_size + self.rank, 0, 1, acquire=False)
+        slot = channel * self.world_size + self.rank
+        self._signal[(1,)](self._pads[dst_rank][slot : slot + 1], WAIT=False, num_warps=1)
 
     def wait_signal(self, src_rank: int, channel: int = 0) -> None:
-        self._spin(self._pads[self.rank], channel * self.world_size + src_rank, 1, 0, acquire=True)
+        slot = channel * self.world_size + src_rank
+        self._signal[(1,)](self._pads[self.rank][slot : slot + 1], WAIT=True, num_warps=1)
 
     def barrier(self, channel: int = 0) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
@@ -95,27 +87,24 @@ class EmulatedHandle:
             self.wait_signal(peer, channel)
 
 
-class EmulatedWorld:
-    """The buffers, handles and side streams of every emulated rank; installs itself in place of
-    symm_buffers.reserve / handle and ce_overlap's side streams (in the child process only)."""
+class EmulatedSymmetricMemory:
+    """This rank's buffers and handles; `install` puts it in place of symm_buffers.reserve / handle."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, rank: int, world_size: int):
         from torch._C._distributed_c10d import _SymmetricMemory
 
-        self.world_size = world_size
-        self.rendezvous = threading.Barrier(world_size)
-        self.capture_barrier = threading.Barrier(world_size)
+        self.rank, self.world_size = rank, world_size
         self.pad_numel = getattr(_SymmetricMemory, "signal_pad_size", 2048) // 4
         self.buffers: dict[tuple, torch.Tensor] = {}
-        self.exchange: dict[tuple, list] = {}
         self.handles: dict[int, EmulatedHandle] = {}
         self.retired: list[torch.Tensor] = []
-        self.streams: dict[tuple[int, str], torch.cuda.Stream] = {}
-        self.cas_spin = _signal_kernel()
+        self.signal = _signal_kernel
 
     def reserve(self, group_name, numel, dtype, device, *, tag="staging"):
-        rank, key = _RANK.rank, (group_name, dtype, torch.device(device), tag)
-        buf = self.buffers.get((key, rank))
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        key = (group_name, dtype, torch.device(device), tag)
+        buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"emulated symmetric buffer {key} grows during CUDA graph capture")
@@ -123,112 +112,33 @@ class EmulatedWorld:
                 self.retired.append(buf)
             buf = torch.zeros(numel, dtype=dtype, device=device)
             pad = torch.zeros(self.pad_numel, dtype=torch.int32, device=device)
-            torch.cuda.current_stream().synchronize()  # zeroed before a peer's kernel may touch them
-            self.exchange.setdefault(key, [None] * self.world_size)[rank] = (buf, pad)
-            self.rendezvous.wait()
-            bufs, pads = zip(*self.exchange[key])
-            self.rendezvous.wait()  # everyone read the exchange before a later grow rewrites it
-            self.handles[id(buf)] = EmulatedHandle(rank, self.world_size, list(bufs), list(pads), self.cas_spin)
-            self.buffers[(key, rank)] = buf
+            torch.cuda.synchronize()  # zeroed before a peer's kernel may touch them
+            shared = [None] * self.world_size
+            dist.all_gather_object(shared, (reduce_tensor(buf), reduce_tensor(pad)))
+            bufs, pads = [], []
+            for r, ((rebuild_buf, buf_args), (rebuild_pad, pad_args)) in enumerate(shared):
+                bufs.append(buf if r == self.rank else rebuild_buf(*buf_args))
+                pads.append(pad if r == self.rank else rebuild_pad(*pad_args))
+            self.handles[id(buf)] = EmulatedHandle(self.rank, self.world_size, bufs, pads, self.signal)
+            self.buffers[key] = buf
         return buf
 
     def handle(self, buf):
         return self.handles[id(buf)]
 
-    def side_stream(self, device, role="copy"):
-        key = (_RANK.rank, role)
-        if key not in self.streams:
-            self.streams[key] = torch.cuda.Stream(device=device)
-        return self.streams[key]
-
     def install(self) -> None:
         from tpweave.ops import symm_buffers
-        from tpweave.ops.strategies import ce_overlap
 
         symm_buffers.reserve, symm_buffers.handle = self.reserve, self.handle
-        ce_overlap._side_stream = self.side_stream
 
 
-_WORLD: list[EmulatedWorld] = []  # the child process's world (one per process)
-
-
-def capture_graph(fn):
-    """Every rank captures fn at the same time (no rank's device-wide sync may meet another's capture;
-    thread-local capture mode: the other ranks keep launching)."""
-    world = _WORLD[0]
-    torch.cuda.synchronize()
-    world.capture_barrier.wait()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            out = fn()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    world.capture_barrier.wait()
-    return graph, out
-
-
-def _child(world_size, fn, args, conn):
-    world = EmulatedWorld(world_size)
-    _WORLD.append(world)
-    world.install()
-    results, errors = [None] * world_size, {}
-
-    def rank_main(rank):
-        _RANK.rank = rank
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                results[rank] = fn(EmulatedContext(rank, world_size), *args)
-                torch.cuda.current_stream().synchronize()
-        except BaseException:
-            errors[rank] = traceback.format_exc()
-            world.rendezvous.abort()
-            world.capture_barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads) and not errors:
-        threads[0].join(0.2)
-    if errors:
-        conn.send(("error", errors))
-        conn.close()
-        os._exit(1)  # a peer may spin on the GPU forever
-    conn.send(("ok", results))
-    conn.close()
+def _emulated_rank(ctx, fn, args):
+    torch.cuda.set_device(0)
+    EmulatedSymmetricMemory(ctx.rank, ctx.world_size).install()
+    return fn(EmulatedContext(ctx.rank, ctx.world_size, ctx.group_name, torch.device("cuda", 0)), *args)
 
 
 def run(world_size: int, fn, *args, timeout_s: float = 600):
-    """[fn(ctx, *args) for every emulated rank]; raises with the failing rank's traceback, or on timeout
-    (a deadlocked protocol)."""
-    env_before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    # one hardware queue per stream: with the default 8, one rank's spinning kernel could sit in front
-    # of the peer's signal in a shared queue (a false dependency between two "GPUs")
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(world_size, fn, args, child), daemon=True)
-    try:
-        proc.start()
-    finally:
-        if env_before is None:
-            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS")
-        else:
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = env_before
-    child.close()
-    try:
-        if not parent.poll(timeout_s):
-            raise TimeoutError(f"{world_size} emulated ranks did not finish {fn.__name__} in {timeout_s:.0f} s: a protocol deadlock")
-        status, payload = parent.recv()
-    except EOFError:
-        raise RuntimeError(f"the emulation process died (exit code {proc.exitcode})") from None
-    finally:
-        proc.kill()
-        proc.join()
-    if status == "error":
-        raise RuntimeError("emulated rank(s) failed:\n" + "\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(payload.items())))
-    return payload
+    """[fn(ctx, *args) for every emulated rank] (ctx.device: the one GPU); a rank's error or a timeout
+    (a deadlocked protocol) raises, as in tpweave.launch."""
+    return tpweave.launch(_emulated_rank, fn, args, nprocs=world_size, backend="gloo", timeout_s=timeout_s)

@@ -100,15 +100,15 @@ def test_ce_overlap_eager_and_graph_replays(name):
     _check_overlap_replays(out, name, counts)
 
 
-# The same protocols with TP ranks emulated as threads on one GPU (tests/emulated_ranks.py): what a
-# one-GPU machine can check of the cross-rank signalling, at world sizes the 2-GPU box does not have.
+# The same protocols with TP ranks emulated as processes sharing one GPU (tests/emulated_ranks.py): what
+# a one-GPU machine can check of the cross-rank signalling, at world sizes the 2-GPU box does not have.
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("name", ["ce_overlap", "ce_overlap_2s"])
 def test_ce_overlap_protocol_on_emulated_ranks(name, world_size):
     import emulated_ranks
 
     counts = [1, 7, 512, 1000]
-    out = emulated_ranks.run(world_size, workers.gpu_overlap_replays, name, counts, 1024, 1536, 6, emulated_ranks.capture_graph, timeout_s=180)
+    out = emulated_ranks.run(world_size, workers.gpu_overlap_replays, name, counts, 1024, 1536, timeout_s=180)
     _check_overlap_replays(out, name, counts)
 
 
@@ -117,8 +117,7 @@ def test_ar_norm_protocols_on_emulated_ranks(world_size):
     import emulated_ranks
 
     names = ["triton_ar_norm", "triton_ar_norm_1b"]
-    out = emulated_ranks.run(world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], names,
-                             emulated_ranks.capture_graph, timeout_s=180)
+    out = emulated_ranks.run(world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], names, timeout_s=180)
     _check_all_reduce_rms_norm(out, names)
 
 

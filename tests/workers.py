@@ -337,8 +337,7 @@ def fp8_outputs(ctx, source, token_counts, compile_model=True, **overrides):
 
 
 def capture_graph(fn):
-    """(CUDA graph, fn's outputs captured in it): how the GPU workers capture (the emulated ranks of
-    tests/emulated_ranks.py pass their own)."""
+    """(CUDA graph, fn's outputs captured in it)."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -357,7 +356,7 @@ def _fingerprint(t):
 
 
 @torch.no_grad()
-def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None, capture=capture_graph):
+def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
     """tpweave::all_reduce_rms_norm under every strategy that serves it (or `names`) vs the sum of every
     rank's input + the reference add + norm (each rank draws every rank's input from seeds); then each
     triton kernel captured in a CUDA graph and replayed on new data, interleaved with eager calls."""
@@ -398,7 +397,7 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None, capture
             w = torch.ones(hidden, device=ctx.device, dtype=torch.bfloat16)
             op = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, res, w, 1e-5, False, ctx.group_name, ctx.world_size, name)  # noqa: E731
             op()
-            graph, (y_g, h_g) = capture(op)
+            graph, (y_g, h_g) = capture_graph(op)
             for step in range(20):
                 x_new, summed = partials(m, hidden, 1000 + step)
                 x.copy_(x_new)
@@ -414,7 +413,7 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None, capture
 
 
 @torch.no_grad()
-def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6, capture=capture_graph):
+def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
     """Every op strategy `name` implements (ag_mm, mm_rs, mm_rs_rms_norm, FP8 ag_scaled_mm and
     scaled_mm_rs), eager back to back and as CUDA-graph replays on new data, against a reference every
     rank computes alone in fp32 (each rank draws every rank's inputs from seeds). Returns
@@ -492,7 +491,7 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6, capture=ca
             out[(m, "eager", step)] = worst(run(mine), reference(m, mine, shards, partials))
         static, _, _ = inputs(m, 50)
         run(static)
-        graph, got = capture(lambda: run(static))
+        graph, got = capture_graph(lambda: run(static))
         errs = []
         for step in range(num_replays):
             mine, shards, partials = inputs(m, 60 + step)
