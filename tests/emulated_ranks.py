@@ -15,6 +15,7 @@ of NVLink between GPUs, and any timing.
 """
 from __future__ import annotations
 
+import faulthandler
 import math
 from dataclasses import dataclass
 
@@ -132,7 +133,8 @@ class EmulatedSymmetricMemory:
         symm_buffers.reserve, symm_buffers.handle = self.reserve, self.handle
 
 
-def _emulated_rank(ctx, fn, args):
+def _emulated_rank(ctx, fn, args, timeout_s):
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 10))  # where a deadlocked rank waits, before launch kills it
     torch.cuda.set_device(0)
     EmulatedSymmetricMemory(ctx.rank, ctx.world_size).install()
     return fn(EmulatedContext(ctx.rank, ctx.world_size, ctx.group_name, torch.device("cuda", 0)), *args)
@@ -141,4 +143,4 @@ def _emulated_rank(ctx, fn, args):
 def run(world_size: int, fn, *args, timeout_s: float = 600):
     """[fn(ctx, *args) for every emulated rank] (ctx.device: the one GPU); a rank's error or a timeout
     (a deadlocked protocol) raises, as in tpweave.launch."""
-    return tpweave.launch(_emulated_rank, fn, args, nprocs=world_size, backend="gloo", timeout_s=timeout_s)
+    return tpweave.launch(_emulated_rank, fn, args, timeout_s, nprocs=world_size, backend="gloo", timeout_s=timeout_s)
