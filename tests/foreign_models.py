@@ -151,3 +151,28 @@ class DTensorModel(nn.Module):
         for block in self.blocks:
             parallelize_module(block, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
         return self
+
+
+class MatmulMLPModel(nn.Module):
+    """(batch, seq, hidden) activations through `x @ w.t()` MLPs on raw parameters, in-place all-reduce,
+    F.rms_norm: on a graph with seq == 1 Inductor (torch 2.13) fails to lower the all-reduce of this
+    pattern, so tpweave must retry the graph with the all-reduces opaque."""
+
+    def __init__(self, rank: int, world: int, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        cols = slice(rank * INTER // world, (rank + 1) * INTER // world)
+        self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
+        self.w_in = nn.ParameterList(nn.Parameter(_full(gen, INTER, HIDDEN)[cols], requires_grad=False) for _ in range(LAYERS))
+        self.w_out = nn.ParameterList(nn.Parameter(_full(gen, HIDDEN, INTER)[:, cols], requires_grad=False) for _ in range(LAYERS))
+        self.norm_w = nn.Parameter(1 + 0.1 * torch.randn(LAYERS + 1, HIDDEN, generator=gen), requires_grad=False)
+        self.head = nn.Parameter(_full(gen, VOCAB, HIDDEN), requires_grad=False)
+
+    def forward(self, ids_BS):
+        x = F.embedding(ids_BS, self.embed)
+        for j in range(LAYERS):
+            h = F.rms_norm(x, (HIDDEN,), self.norm_w[j], 1e-6)
+            y = F.silu(h @ self.w_in[j].t()) @ self.w_out[j].t()
+            dist.all_reduce(y)
+            x = x + y
+        return F.rms_norm(x, (HIDDEN,), self.norm_w[LAYERS], 1e-6) @ self.head.t()

@@ -111,6 +111,25 @@ def test_pass_failure_falls_back_to_plain_compile(foreign_reference):
     assert any("passes failed (RuntimeError: injected pass failure); compiled without them" in n for n in notes)
 
 
+def test_inductor_failure_on_a_graph_is_retried_then_falls_back():
+    """(batch, seq) MLPs of `x @ w.t()` with an in-place all-reduce: after a first graph for seq >= 2,
+    Inductor (torch 2.13, size-oblivious sizes) fails to lower the seq == 1 graph; tpweave recompiles it
+    with sizes specialized (TP=1 and the plain TP=2 variant) and the numbers equal eager. A graph
+    Inductor cannot compile at all runs uncompiled, with a note, instead of crashing."""
+    shapes = [(3, 5), (1, 1), (2, 1), (1, 7)]
+    reference = tpweave.launch(workers.foreign_model_outputs, shapes, model_name="MatmulMLPModel", nprocs=1)[0]["eager"]
+    for nprocs, kwargs in ((1, {}), (2, {"sp": False}), (2, {"sp_min_tokens": 0})):
+        results = tpweave.launch(workers.foreign_model_outputs, shapes, kwargs, model_name="MatmulMLPModel", nprocs=nprocs)
+        _check_foreign(results, reference)
+        notes = [n for g in results[0]["graphs"] for n in g[4]]
+        assert not any("uncompiled" in n or "without our passes" in n for n in notes), notes
+    results = tpweave.launch(workers.foreign_model_outputs, shapes[:2], {"sp_min_tokens": 0}, fail_inductor=True, nprocs=2)
+    _check_foreign(results, tpweave.launch(workers.foreign_model_outputs, shapes[:2], nprocs=1)[0]["eager"])
+    notes = results[0]["graphs"][0][4]
+    assert notes[-1] == "Inductor failed without our passes too (RuntimeError: injected Inductor failure); running this graph uncompiled", notes
+    assert any("retrying with sizes specialized" in n for n in notes), notes
+
+
 def test_sp_and_plain_graphs_chosen_by_token_count(reference_logits):
     counts = [1, 5, 64, 129]
     results = tpweave.launch(

@@ -106,12 +106,14 @@ def _batch_shapes_ids(shapes, vocab, device):
 
 
 @torch.no_grad()
-def foreign_model_outputs(ctx, shapes, compile_kwargs=None, seed=0, fail_pass=False, **model_kwargs):
-    """Eager (and, if compile_kwargs is given, compiled) outputs of tests/foreign_models.ForeignModel."""
+def foreign_model_outputs(ctx, shapes, compile_kwargs=None, seed=0, fail_pass=False, fail_inductor=False, model_name="ForeignModel",
+                          **model_kwargs):
+    """Eager (and, if compile_kwargs is given, compiled) outputs of a model of tests/foreign_models."""
+    import foreign_models
     import tpweave
-    from foreign_models import VOCAB, ForeignModel
+    from foreign_models import VOCAB
 
-    model = ForeignModel(ctx.rank, ctx.world_size, seed=seed, **model_kwargs)
+    model = getattr(foreign_models, model_name)(ctx.rank, ctx.world_size, seed=seed, **model_kwargs)
     inputs = _batch_shapes_ids(shapes, VOCAB, ctx.device)
     result = {"eager": [model(ids).cpu() for ids in inputs]}
     if compile_kwargs is not None:
@@ -122,6 +124,13 @@ def foreign_model_outputs(ctx, shapes, compile_kwargs=None, seed=0, fail_pass=Fa
                 raise RuntimeError("injected pass failure")
 
             sequence_parallel.SequenceParallelPass.run = broken
+        if fail_inductor:
+            import torch._inductor.compile_fx as inductor
+
+            def broken_inductor(*args, **kwargs):
+                raise RuntimeError("injected Inductor failure")
+
+            inductor.compile_fx = broken_inductor
         compiled = tpweave.compile(model, **compile_kwargs)
         result["compiled"] = [compiled(ids).cpu() for ids in inputs]
         rep = tpweave.report(compiled)

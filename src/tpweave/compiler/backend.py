@@ -6,6 +6,7 @@ on the whole graph, before Inductor's own passes and before any graph partition.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 from types import MappingProxyType
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.fx.experimental._config as fx_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel
@@ -114,26 +116,50 @@ class TPBackend:
         self.report, self.inductor_options = report, inductor_options
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
-
+        """Inductor + our passes. If Inductor fails on the graph: again with sizes specialized as usual
+        (not size-oblivious: with a size-1 token dim, e.g. seq = 1 of a (batch, seq, hidden) model
+        after a first graph for seq >= 2, torch 2.13's Inductor fails stride checks on views). If our
+        pass fails, or that retry too: Inductor without our passes; last, the graph uncompiled. Each
+        fallback is a warning and a note in the report: a model never crashes for our sake."""
         self.report.num_compiles += 1
         graph_report = GraphReport(self.variant)
         self.report.graphs.append(graph_report)
-        tp_pass = TPWeavePass(self.sp_cfg, self.options, graph_report)
-        patches = {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
-        try:
-            # The report is written by the pass: a cache hit would skip it, so compile for real.
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                return compile_fx(gm, example_inputs, config_patches={**self.inductor_options, **patches})
-        except Exception as e:  # noqa: BLE001  (any failure inside our passes: fall back, never crash)
-            # Our pass raised, or Inductor failed on the rewritten graph: either way retry without it.
-            # If the graph does not compile without our pass either, that error propagates.
-            e = tp_pass.error or e
-            msg = f"passes failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiled without them"
-            logger.warning("[%s] %s", self.variant, msg)
-            graph_report.notes.append(msg)
+        for size_oblivious in (True, False):
             graph_report.sites.clear()
-            return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
+            tp_pass = TPWeavePass(self.sp_cfg, self.options, graph_report)
+            try:
+                return self._compile(gm, example_inputs, tp_pass, size_oblivious=size_oblivious)
+            except Exception as e:  # noqa: BLE001  (any failure: fall back, never crash)
+                if tp_pass.error is not None:
+                    self._note(graph_report, f"passes failed ({_describe(tp_pass.error)}); compiled without them")
+                    break
+                then = "retrying with sizes specialized" if size_oblivious else "compiling without our passes"
+                self._note(graph_report, f"Inductor failed ({_describe(e)}); {then}")
+        graph_report.sites.clear()
+        try:
+            return self._compile(gm, example_inputs, None, size_oblivious=False)
+        except Exception as e:  # noqa: BLE001
+            self._note(graph_report, f"Inductor failed without our passes too ({_describe(e)}); running this graph uncompiled")
+            return gm.forward
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, tp_pass: TPWeavePass | None, *, size_oblivious: bool) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(self.inductor_options)
+        if tp_pass is not None:
+            # The report is written by the pass: a cache hit would skip it, so compile for real.
+            patches |= {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
+        sizes = contextlib.nullcontext() if size_oblivious else fx_config.patch(backed_size_oblivious=False)
+        with torch._functorch.config.patch(enable_autograd_cache=False), sizes:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def _note(self, graph_report: GraphReport, msg: str) -> None:
+        logger.warning("[%s] %s", self.variant, msg)
+        graph_report.notes.append(msg)
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def default_num_tokens(args: tuple) -> int:
