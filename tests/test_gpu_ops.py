@@ -75,7 +75,7 @@ def test_all_reduce_rms_norm_strategies_match_reference():
     cases, a hidden size that is not a power of two, both weight orders, with and without residual;
     every rank gets the same h bits; the fused kernels replay in a CUDA graph between eager calls."""
     out = tpweave.launch(workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], nprocs=GPU_RANKS, backend="nccl")
-    _check_all_reduce_rms_norm(out, ["triton_ar_norm", "triton_ar_norm_1b", "sequential"])
+    _check_all_reduce_rms_norm(out, ["triton_ar_norm", "triton_ar_norm_1b", "triton_ar_norm_ll", "sequential"])
 
 
 def _check_overlap_replays(out, name, counts):
@@ -116,8 +116,8 @@ def test_ce_overlap_protocol_on_emulated_ranks(name, world_size):
 def test_ar_norm_protocols_on_emulated_ranks(world_size):
     import emulated_ranks
 
-    names = ["triton_ar_norm", "triton_ar_norm_1b"]
-    out = emulated_ranks.run(world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], names, timeout_s=180)
+    names = ["triton_ar_norm", "triton_ar_norm_1b", "triton_ar_norm_ll"]
+    out = emulated_ranks.run(world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000, 1100], [4096, 5120], names, timeout_s=180)
     _check_all_reduce_rms_norm(out, names)
 
 

@@ -8,6 +8,9 @@ one more launch. Each program owns rows pid, pid + G, ...:
   3. reads the rows from every rank's buffer over NVLink (peer loads, no multicast), sums them in
      rank order (every rank gets the same bits), adds the residual, normalizes, stores y and h,
   4. barrier again: no rank overwrites its buffer (next call) while a peer still reads it.
+`triton_ar_norm_1b` needs only the first barrier (two buffer halves used in turn), `triton_ar_norm_ll`
+none (Lamport-style: rows pushed into the peers' buffers, readers spin on a sentinel value; up to
+LAMPORT_MAX_ROWS rows). See `_fused_all_reduce_rms_norm`.
 CUDA only (P2P-reachable peers); the CPU path of `tpweave::all_reduce_rms_norm` is the composed one.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ except ImportError:
     triton = None
 
 MAX_PROGRAMS = 128  # at most one per SM; more only queue behind the barrier
+LAMPORT_MAX_ROWS = 1024  # above: triton_ar_norm_ll runs the two-barrier kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,6 +198,53 @@ if triton is not None:
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _all_reduce_rms_norm_ll_kernel(
+        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, calls_ptr, num_rows, slot_numel, eps,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        epoch = tl.load(calls_ptr + pid) + 1  # the call number, equal across programs and ranks (fixed grid)
+        tl.store(calls_ptr + pid, epoch)
+        # buffer: 3 slots (calls cycle through them) x WORLD sources x rows of H; slot_numel per slot
+        slot_base = (epoch % 3).to(tl.int64) * slot_numel
+        src_numel = slot_numel.to(tl.int64) // WORLD
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        dtype = x_ptr.dtype.element_ty
+        bufs = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+        own = tl.load(bufs + RANK).to(tl.pointer_type(dtype))
+        sentinel = tl.full([BLOCK_H], SENTINEL, BITS).to(dtype, bitcast=True)
+        # push this rank's rows into every peer's slot (+0.0 turns -0.0, the sentinel, into +0.0)
+        for row in range(pid, num_rows, num_programs):
+            offs = row.to(tl.int64) * H + cols
+            xv = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 0.0).to(dtype)
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    peer = tl.load(bufs + r).to(tl.pointer_type(dtype))
+                    tl.store(peer + slot_base + RANK * src_numel + offs, xv, mask=mask)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for row in range(pid, num_rows, num_programs):
+            offs = row.to(tl.int64) * H + cols
+            s = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                if r == RANK:
+                    s += tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 0.0
+                else:
+                    src = own + slot_base + r * src_numel + offs
+                    got = tl.load(src, mask=mask, other=0.0, volatile=True)
+                    # each element arrives on its own: spin until none is the sentinel any more
+                    while tl.sum((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=0) > 0:
+                        got = tl.load(src, mask=mask, other=0.0, volatile=True)
+                    s += got.to(tl.float32)
+                    tl.store(src, sentinel, mask=mask)  # ready for call epoch + 3
+            rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
+
+
 _CALLS: dict[int, Tensor] = {}  # id(buffer) -> per-program call counters of triton_ar_norm_1b
 
 
@@ -204,11 +255,15 @@ def _fixed_grid(num_rows: int, world_size: int) -> int:
 
 
 def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, weight_in_fp32: bool,
-                               group_name: str, world_size: int, *, one_barrier: bool) -> tuple[Tensor, Tensor]:
-    """one_barrier=False: `_all_reduce_rms_norm_kernel` (barrier, sum, barrier again before the buffer is
-    reused). True: `_all_reduce_rms_norm_1b_kernel`: the data buffer has two halves used on alternate
-    calls, and a barrier passed at call k means every peer finished call k - 1's kernel, the last reader
-    of the half call k + 1 overwrites."""
+                               group_name: str, world_size: int, *, protocol: str) -> tuple[Tensor, Tensor]:
+    """protocol "two_barriers": `_all_reduce_rms_norm_kernel` (barrier, sum, barrier again before the
+    buffer is reused). "one_barrier": `_all_reduce_rms_norm_1b_kernel`: the data buffer has two halves
+    used on alternate calls, and a barrier passed at call k means every peer finished call k - 1, the
+    last reader of the half call k + 1 overwrites. "lamport": `_all_reduce_rms_norm_ll_kernel`, no
+    barrier: each rank stores its rows into every peer's buffer, which holds a sentinel (-0.0) wherever
+    no data is due; a reader spins until none of its elements is the sentinel, then writes the
+    sentinel back. Three slots used in turn: a peer can be at most one call ahead, and a slot's next
+    writer (call k + 3) has seen this rank's data of calls k + 1 and k + 2, stored after the reset."""
     hidden = x.shape[-1]
     if world_size & (world_size - 1) or not rms_norm.triton_supported(x, weight) or (residual is not None and residual.dtype != x.dtype):
         from tpweave.ops.overlap import compose_all_reduce_rms_norm
@@ -223,25 +278,44 @@ def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tenso
     tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
     meta = dict(H=hidden, BLOCK_H=rms_norm.block_h(hidden), WORLD=world_size, HAS_RESIDUAL=residual is not None,
                 WEIGHT_FP32=weight_in_fp32, num_warps=rms_norm.num_warps_for(hidden))
-    if one_barrier:
-        grid = _fixed_grid(num_rows, world_size)
-        buf = symm_buffers.reserve(group_name, 2 * x.numel(), x.dtype, x.device, tag=f"ar_norm_1b_{grid}")
-        calls = _CALLS.get(id(buf))
-        if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
-            calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
-        handle = symm_buffers.handle(buf)
-        _all_reduce_rms_norm_1b_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows,
-                                                buf.numel() // 2, eps, RANK=handle.rank, **meta)
-    else:
+    if protocol == "lamport" and num_rows > LAMPORT_MAX_ROWS:
+        protocol = "two_barriers"  # its buffer holds 3 x TP copies of the rows: a decode-size protocol
+    if protocol == "two_barriers":
         buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
         handle = symm_buffers.handle(buf)
         _all_reduce_rms_norm_kernel[(min(num_rows, _max_programs(world_size)),)](
             *tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps, RANK=handle.rank, **meta)
+        return y, h
+    grid = _fixed_grid(num_rows, world_size)
+    num_slots = 2 if protocol == "one_barrier" else 3 * world_size
+    buf = symm_buffers.reserve(group_name, num_slots * x.numel(), x.dtype, x.device, tag=f"ar_norm_{protocol}_{grid}")
+    handle = symm_buffers.handle(buf)
+    calls = _CALLS.get(id(buf))
+    if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
+        calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
+        if protocol == "lamport":  # every element the sentinel on every rank before any peer stores data
+            bits, sentinel = _SENTINEL[x.element_size()]
+            buf.view(bits).fill_(sentinel)
+            handle.barrier(channel=0)
+    if protocol == "one_barrier":
+        _all_reduce_rms_norm_1b_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows,
+                                                buf.numel() // 2, eps, RANK=handle.rank, **meta)
+    else:
+        bits, sentinel = _SENTINEL[x.element_size()]
+        _all_reduce_rms_norm_ll_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, calls, num_rows, buf.numel() // 3, eps,
+                                                RANK=handle.rank, BITS=_TL_BITS[bits], SENTINEL=sentinel, **meta)
     return y, h
 
 
-TRITON_AR_NORM = register(Strategy("triton_ar_norm", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, one_barrier=False),
+# -0.0 as an integer of the element's width: the "no data yet" value of the lamport buffer
+_SENTINEL = {2: (torch.int16, -(2**15)), 4: (torch.int32, -(2**31))}
+_TL_BITS = {torch.int16: tl.int16, torch.int32: tl.int32} if triton is not None else {}
+
+
+TRITON_AR_NORM = register(Strategy("triton_ar_norm", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="two_barriers"),
                                    available=_available, cudagraph_trees_safe=False))
-# Not measured yet (written when no 2-GPU machine was lent): the calibration table chooses it where it wins.
-TRITON_AR_NORM_1B = register(Strategy("triton_ar_norm_1b", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, one_barrier=True),
+# Not measured yet (written when no 2-GPU machine was lent): the calibration table chooses them where they win.
+TRITON_AR_NORM_1B = register(Strategy("triton_ar_norm_1b", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="one_barrier"),
+                                      available=_available, cudagraph_trees_safe=False))
+TRITON_AR_NORM_LL = register(Strategy("triton_ar_norm_ll", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="lamport"),
                                       available=_available, cudagraph_trees_safe=False))
