@@ -217,7 +217,14 @@ class CompiledTP:
         self.calls[variant] += 1
         _mark_dynamic(args)
         with token_dynamic_config():
-            return self.variants[variant](*args, **kwargs)
+            out = self.variants[variant](*args, **kwargs)
+        if self.calls[variant] == 1 and not any(g.variant == variant for g in self.compile_report.graphs):
+            msg = (f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, without tpweave's passes "
+                   "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
+                   "work.wait(): use the blocking call or torch.distributed._functional_collectives)")
+            logger.warning(msg)
+            self.compile_report.notes.append(msg)
+        return out
 
 
 def compile(

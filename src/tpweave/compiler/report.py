@@ -60,9 +60,10 @@ class CompileReport:
     graphs: list[GraphReport] = field(default_factory=list)
     num_compiles: int = 0
     sp_min_tokens: int | None = None
+    notes: list[str] = field(default_factory=list)  # about the whole model, e.g. nothing was compiled
 
     def __str__(self) -> str:
         head = f"tpweave report: {self.num_compiles} graph(s) compiled"
         if self.sp_min_tokens is not None:
             head += f"; sequence-parallel graph for M >= {self.sp_min_tokens}, plain TP graph below"
-        return "\n".join([head, *(str(g) for g in self.graphs)])
+        return "\n".join([head, *(f"note: {n}" for n in self.notes), *(str(g) for g in self.graphs)])
