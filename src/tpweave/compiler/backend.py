@@ -136,6 +136,7 @@ class TPBackend:
                 then = "retrying with sizes specialized" if size_oblivious else "compiling without our passes"
                 self._note(graph_report, f"Inductor failed ({_describe(e)}); {then}")
         graph_report.sites.clear()
+        graph_report.counts_after = dict(graph_report.counts_before)  # the graph keeps its own collectives
         try:
             return self._compile(gm, example_inputs, None, size_oblivious=False)
         except Exception as e:  # noqa: BLE001
