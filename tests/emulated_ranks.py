@@ -15,22 +15,14 @@ of NVLink between GPUs, and any timing.
 """
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import tpweave
-
-
-@dataclass
-class EmulatedContext:
-    rank: int
-    world_size: int
-    group_name: str
-    device: torch.device
 
 
 try:
@@ -137,7 +129,8 @@ def _emulated_rank(ctx, fn, args, timeout_s):
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 10))  # where a deadlocked rank waits, before launch kills it
     torch.cuda.set_device(0)
     EmulatedSymmetricMemory(ctx.rank, ctx.world_size).install()
-    return fn(EmulatedContext(ctx.rank, ctx.world_size, ctx.group_name, torch.device("cuda", 0)), *args)
+    # the rank's TPContext (gloo group: host rendezvous and any plain collective) on the one GPU
+    return fn(dataclasses.replace(ctx, device=torch.device("cuda", 0)), *args)
 
 
 def run(world_size: int, fn, *args, timeout_s: float = 600):
