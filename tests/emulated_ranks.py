@@ -126,6 +126,7 @@ class EmulatedSymmetricMemory:
 
 
 def _emulated_rank(ctx, fn, args, timeout_s):
+    faulthandler.enable()  # a crashing rank shows where
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 10))  # where a deadlocked rank waits, before launch kills it
     torch.cuda.set_device(0)
     EmulatedSymmetricMemory(ctx.rank, ctx.world_size).install()
