@@ -53,14 +53,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     s = results[0]
     print(f"backend={s['backend']} device={s['device']} params/rank={s['params_per_rank']:,}")
     print(f"logits {s['logits_shape']}, greedy next tokens of the last 4 rows: {s['greedy_next_tokens']}")
+    equal = True
     if "report" in s:
         print(s["report"])
         print(f"compiled graphs: {s['num_compiles']} (one per variant, serving every M)")
         worst = max(max(r["max_abs_diff_vs_eager"], r["max_abs_diff_vs_eager_m1"]) for r in results)
-        print(f"equivalence: max |compiled SP+async-TP - eager TP| over all ranks = {worst:.3e} (M={args.tokens} and M=1)")
+        equal = worst <= _DEMO_TOLERANCE[args.dtype]
+        print(f"equivalence: max |compiled SP+async-TP - eager TP| over all ranks = {worst:.3e} (M={args.tokens} and M=1): "
+              + ("within" if equal else "NOT within") + f" {_DEMO_TOLERANCE[args.dtype]:g}")
     agree = all(r["greedy_next_tokens"] == s["greedy_next_tokens"] for r in results)
     print(f"all {nprocs} ranks agree on the output: {agree}")
-    return 0 if agree else 1
+    return 0 if agree and equal else 1
+
+
+# |logit| of the tiny model is O(1): float32 differs in summation order only, 16-bit types by roundings
+_DEMO_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
 
 
 def _tokens(text: str) -> list[int]:
