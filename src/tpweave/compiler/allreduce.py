@@ -1,12 +1,14 @@
 """Plain-TP graph: route each TP all-reduce through `tpweave::all_reduce`, whose strategy (NCCL, or
-symmetric-memory one-shot / two-shot) is picked per M from the calibrated table."""
+symmetric-memory one-shot / two-shot) is picked per M from the calibrated table. One left to
+Inductor gets its token dims flattened first (see `_flatten_tokens`)."""
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, tpw, val
+from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, funcol, tpw, val
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
 
@@ -18,10 +20,30 @@ def route_all_reduces(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[s
         hidden = val(x).shape[-1] if val(x).dim() else 1
         policy = policy_for("all_reduce", hidden, hidden) if isinstance(hidden, int) else "sequential"
         if reduce_op != "sum" or group_name != cfg.group_name or len(ar.users) != 1 or policy == "sequential":
-            report.add("all_reduce", ar, "left alone", "plain TP variant" + ("" if policy == "sequential" else f"; cannot route ({reduce_op}, {group_name})"))
+            why = "plain TP variant" + ("" if policy == "sequential" else f"; cannot route ({reduce_op}, {group_name})")
+            if len(ar.users) == 1 and _flatten_tokens(edit, wait, ar):
+                why += "; token dims flattened"
+            report.add("all_reduce", ar, "left alone", why)
             continue
         report.add("all_reduce", ar, "routed", f"tpweave::all_reduce, policy {policy!r}")
         routed = edit.insert(tpw.all_reduce.default, (x, group_name, cfg.world_size, policy), before=wait)
         wait.replace_all_uses_with(routed)
         graph.erase_node(wait)
         graph.erase_node(ar)
+
+
+def _flatten_tokens(edit: GraphEditor, wait: fx.Node, ar: fx.Node) -> bool:
+    """all_reduce(x_BSH) -> all_reduce(x.reshape(-1, H)).view(B, S, H). Lowering Inductor's all-reduce
+    of a 3-D view makes it guard seq >= 2 (a second graph for seq == 1, which torch 2.13 then fails to
+    lower); on the (tokens, H) matrix there is nothing to guard. False (graph unchanged) for 2-D inputs."""
+    x = ar.args[0]
+    if not (isinstance(val(x), torch.Tensor) and val(x).dim() >= 3):
+        return False
+    sizes = [edit.size_arg(x, d, before=wait) for d in range(val(x).dim())]
+    flat = edit.insert(aten.reshape.default, (x, [-1, sizes[-1]]), before=wait)
+    reduced = edit.insert(funcol.wait_tensor.default, (edit.insert(funcol.all_reduce.default, (flat, *ar.args[1:]), before=wait),), before=wait)
+    back = edit.insert(aten.view.default, (reduced, sizes), before=wait)
+    wait.replace_all_uses_with(back)
+    edit.graph.erase_node(wait)
+    edit.graph.erase_node(ar)
+    return True
