@@ -137,6 +137,17 @@ def test_batch_seq_model_one_graph_and_inductor_failure_fallbacks():
         "Inductor failed without our passes too ... running this graph uncompiled"], notes
 
 
+def test_tp_subgroup_of_a_larger_world(reference_logits):
+    """4 ranks = 2 data-parallel replicas x TP=2 groups: each replica compiles on its own TP group and
+    equals eager TP and TP=1."""
+    counts = [1, 5, 64]
+    results = tpweave.launch(workers.tp_subgroup_outputs, counts, 2, nprocs=4)
+    for outs, after in results:
+        assert after.get("ag_mm") and after.get("mm_rs") and "all_reduce" not in after, after
+        for m, (compiled, eager) in zip(counts, outs):
+            assert _close(compiled, eager, "float32") and _close(compiled, reference_logits[("float32", m)], "float32"), m
+
+
 def test_sp_and_plain_graphs_chosen_by_token_count(reference_logits):
     counts = [1, 5, 64, 129]
     results = tpweave.launch(

@@ -530,3 +530,23 @@ def dtensor_model_outputs(ctx, shapes, compile_kwargs):
     rep = tpweave.report(compiled)
     return {"eager": eager, "compiled": [compiled(ids) for ids in inputs], "num_compiles": rep.num_compiles,
             "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs]}
+
+
+@torch.no_grad()
+def tp_subgroup_outputs(ctx, token_counts, tp):
+    """World = (world / tp) groups of `tp` consecutive ranks (data parallel x TP): the tiny Llama on this
+    rank's TP group, compiled with that group; [(compiled, eager) logits per M] and the report."""
+    import torch.distributed as dist
+
+    import tpweave
+    from tpweave.runtime.context import TPContext
+
+    groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, ctx.world_size, tp)]  # every rank creates every group
+    group = groups[ctx.rank // tp]
+    model = build_model("tiny", tp=TPContext.from_group(group, device=ctx.device), dtype=torch.float32, seed=0)
+    compiled = tpweave.compile(model, group=group, sp_min_tokens=0)
+    outs = []
+    for m in token_counts:
+        batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
+        outs.append((compiled(*batch.args()), model(*batch.args())))
+    return outs, tpweave.report(compiled).graphs[0].counts_after
