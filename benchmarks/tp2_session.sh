@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The TP=2 measurements the open issues need, as steps that each fit one device call (10 min) and
+# leave few files (the device returns at most 8): every step writes its logs and results into
+# $OUT/<step>.tar.gz. Run from the repository root on the 2-GPU box, e.g.
+#   TPWEAVE_COMMIT=<hash> bash benchmarks/tp2_session.sh tests calibrate8b layer8b
+# Steps, in the order to run them (a protocol bug would hang calibration, so tests come first):
+#   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols) + padding probe
+#   calibrate8b calibration table for llama3-8b (every strategy per site shape and M)
+#   layer8b     per-op / per-layer arms for llama3-8b with that table
+#   latency8b   whole-model TTFT / TPOT for llama3-8b (8 layers) with the table
+#   serve8b     prefill-heavy serving, baseline vs auto, llama3-8b
+#   calibrate70b, layer70b   the same for llama3-70b
+#   fp8         calibrate + latency for llama3-8b-fp8 (the 1.10x TTFT target at 8K)
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
+OUT="${OUT:-/tmp/tp2_out}"
+DECODE_TOKENS=1,16,64,256,512,1024,2048,4096,8192
+tpw() { python -m tpweave "$@"; }
+
+step() {
+    local name=$1 dir
+    dir=$(mktemp -d)
+    echo "== $name (commit ${TPWEAVE_COMMIT:-unknown}) $(date -u +%FT%TZ)" | tee "$dir/commands.txt"
+    case $name in
+        tests)
+            python -m pytest -q -m gpu tests/test_gpu_ops.py -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
+            python benchmarks/probes/padding_probe.py --out "$dir/padding_probe.json" 2>&1 | tee "$dir/padding_probe.log" | tail -5 ;;
+        calibrate8b | calibrate70b)
+            local model=llama3-${name#calibrate}
+            echo "tpweave calibrate --model $model --tp 2 --tokens $DECODE_TOKENS --reps 3 --inner 3" >> "$dir/commands.txt"
+            tpw calibrate --model "$model" --tp 2 --tokens "$DECODE_TOKENS" --reps 3 --inner 3 2>&1 | tee "$dir/calibrate.log" | tail -5
+            cp -r "$TPWEAVE_CACHE_DIR" "$dir/cache" ;;
+        layer8b | layer70b)
+            local model=llama3-${name#layer}
+            echo "tpweave bench layer --model $model --tp 2 --tokens $DECODE_TOKENS --reps 5 --inner 3" >> "$dir/commands.txt"
+            tpw bench layer --model "$model" --tp 2 --tokens "$DECODE_TOKENS" --reps 5 --inner 3 --out "$dir" 2>&1 | tee "$dir/layer.log" | tail -5 ;;
+        latency8b)
+            local args=(--model llama3-8b --tp 2 --layers 8 --decode 1x1024,8x1024,32x1024,64x1024,128x1024 --prefill 1x2048,1x8192 --reps 5 --inner 3)
+            echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
+            tpw bench latency "${args[@]}" --out "$dir" 2>&1 | tee "$dir/latency.log" | tail -5 ;;
+        serve8b)
+            local args=(--model llama3-8b --tp 2 --arms baseline,auto --workload prefill-heavy --rates inf --num-requests 16
+                        --max-num-seqs 64 --max-num-batched-tokens 8192 --max-model-len 8192)
+            echo "tpweave bench serve ${args[*]}" >> "$dir/commands.txt"
+            tpw bench serve "${args[@]}" --out "$dir" 2>&1 | tee "$dir/serve.log" | tail -5 ;;
+        fp8)
+            echo "tpweave calibrate --model llama3-8b-fp8 --tp 2 --tokens $DECODE_TOKENS --reps 3 --inner 3" >> "$dir/commands.txt"
+            tpw calibrate --model llama3-8b-fp8 --tp 2 --tokens "$DECODE_TOKENS" --reps 3 --inner 3 2>&1 | tee "$dir/calibrate.log" | tail -3
+            local args=(--model llama3-8b-fp8 --tp 2 --layers 8 --prefill 1x2048,1x8192 --decode 1x1024,64x1024 --reps 5 --inner 3)
+            echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
+            tpw bench latency "${args[@]}" --out "$dir" 2>&1 | tee "$dir/latency.log" | tail -5 ;;
+        *) echo "unknown step $name" >&2; exit 2 ;;
+    esac
+    mkdir -p "$OUT"
+    tar -czf "$OUT/$name.tar.gz" -C "$dir" .
+}
+
+for name in "$@"; do
+    step "$name"
+done
