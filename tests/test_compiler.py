@@ -179,6 +179,7 @@ def test_bad_input_errors():
     messages = tpweave.launch(workers.compile_errors, nprocs=2)[0]
     assert "empty batch" in messages["empty"]
     assert "sp_min_tokens must be >= 0" in messages["negative"]
+    assert messages["disagree"].startswith("ranks disagree on tpweave.compile options") and "'sp_min_tokens'" in messages["disagree"]
 
 
 @pytest.mark.gpu(gpus=1)

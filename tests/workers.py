@@ -177,6 +177,10 @@ def compile_errors(ctx):
         tpweave.compile(model, sp_min_tokens=-1)
     except ValueError as e:
         messages["negative"] = str(e)
+    try:  # one rank with other options (e.g. a calibration table only it found): refused, not a hang
+        tpweave.compile(model, sp_min_tokens=64 if ctx.rank else 0)
+    except ValueError as e:
+        messages["disagree"] = str(e)
     return messages
 
 

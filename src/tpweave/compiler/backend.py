@@ -26,6 +26,7 @@ from tpweave.compiler.log import logger
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
 from tpweave.ops.overlap import chosen_name, without_unsafe_under_cudagraph_trees
+from tpweave.runtime.agreement import check_ranks_agree
 
 if TYPE_CHECKING:
     from tpweave.tuning.table import StrategyTable
@@ -277,6 +278,14 @@ def compile(
         inductor_options["custom_should_partition_ops"] = list(ATTENTION_OPS)
     if sp is None:
         sp = sp_cfg.world_size > 1  # with one rank SP only adds copies; sp=True still forces it (tests)
+    # Ranks that compiled different graphs or strategies would wait on each other's collectives forever
+    # (e.g. a calibration table found, or found corrupt, on some ranks only): refuse up front.
+    check_ranks_agree(
+        {"sp": sp, "async_tp": async_tp, "sp_min_tokens": sp_min_tokens, "ag_mm_policy": ag_mm_policy, "mm_rs_policy": mm_rs_policy,
+         "all_reduce_policy": all_reduce_policy, "all_reduce_rms_norm_policy": all_reduce_rms_norm_policy,
+         "table_policies": list(site_policies), "cudagraphs": cudagraphs, "piecewise": piecewise},
+        group=group, what="tpweave.compile options (a calibration table present, or valid, on some ranks only?)",
+    )
     report = CompileReport(sp_min_tokens=sp_min_tokens if sp else None)
     variants: dict[str, Callable] = {}
     want = {
