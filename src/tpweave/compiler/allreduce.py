@@ -41,7 +41,8 @@ def _flatten_tokens(edit: GraphEditor, wait: fx.Node, ar: fx.Node) -> bool:
         return False
     sizes = [edit.size_arg(x, d, before=wait) for d in range(val(x).dim())]
     flat = edit.insert(aten.reshape.default, (x, [-1, sizes[-1]]), before=wait)
-    reduced = edit.insert(funcol.wait_tensor.default, (edit.insert(funcol.all_reduce.default, (flat, *ar.args[1:]), before=wait),), before=wait)
+    reducing = edit.insert(funcol.all_reduce.default, (flat, *ar.args[1:]), before=wait)
+    reduced = edit.insert(funcol.wait_tensor.default, (reducing,), before=wait)
     back = edit.insert(aten.view.default, (reduced, sizes), before=wait)
     wait.replace_all_uses_with(back)
     edit.graph.erase_node(wait)

@@ -245,11 +245,11 @@ if triton is not None:
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
-_CALLS: dict[int, Tensor] = {}  # id(buffer) -> per-program call counters of triton_ar_norm_1b
+_CALLS: dict[int, Tensor] = {}  # id(buffer) -> per-program call counters (triton_ar_norm_1b and _ll)
 
 
 def _fixed_grid(num_rows: int, world_size: int) -> int:
-    """Programs of a triton_ar_norm_1b call: a power of two >= the rows (at most the pad's limit). Each
+    """Programs of a triton_ar_norm_1b / _ll call: a power of two >= the rows (at most the pad's limit). Each
     grid size has its own buffer, pads and counters, so the grid of a buffer never changes."""
     return min(triton.next_power_of_2(max(num_rows, 1)), _max_programs(world_size))
 
@@ -290,18 +290,17 @@ def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tenso
     num_slots = 2 if protocol == "one_barrier" else 3 * world_size
     buf = symm_buffers.reserve(group_name, num_slots * x.numel(), x.dtype, x.device, tag=f"ar_norm_{protocol}_{grid}")
     handle = symm_buffers.handle(buf)
+    bits, sentinel = _SENTINEL[x.element_size()]
     calls = _CALLS.get(id(buf))
     if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
         calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
         if protocol == "lamport":  # every element the sentinel on every rank before any peer stores data
-            bits, sentinel = _SENTINEL[x.element_size()]
             buf.view(bits).fill_(sentinel)
             handle.barrier(channel=0)
     if protocol == "one_barrier":
         _all_reduce_rms_norm_1b_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows,
                                                 buf.numel() // 2, eps, RANK=handle.rank, **meta)
     else:
-        bits, sentinel = _SENTINEL[x.element_size()]
         _all_reduce_rms_norm_ll_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, calls, num_rows, buf.numel() // 3, eps,
                                                 RANK=handle.rank, BITS=_TL_BITS[bits], SENTINEL=sentinel, **meta)
     return y, h
