@@ -29,16 +29,19 @@ try:
     import triton
     import triton.language as tl
 
-    from tpweave.ops.strategies.triton_ar_norm import _send_signal, _thread_id, _wait_signal
+    from tpweave.ops.strategies.triton_ar_norm import _send_signal, _stop_if_late, _thread_id, _wait_signal
 
     @triton.jit
-    def _signal_kernel(slot_ptr, WAIT: tl.constexpr):
+    def _signal_kernel(slot_ptr, timeout_ms, WAIT: tl.constexpr):
         addrs = slot_ptr + tl.zeros([1], dtype=tl.int32)
+        timeout_ns = tl.full([1], timeout_ms, tl.int64) * 1000000
+        late = tl.zeros([1], dtype=tl.int32)
         if _thread_id() == 0:  # one thread: a second CAS 0 -> 1 would spin until the slot is consumed
             if WAIT:
-                _wait_signal(addrs)
+                late = _wait_signal(addrs, timeout_ns)
             else:
-                _send_signal(addrs)
+                late = _send_signal(addrs, timeout_ns)
+        _stop_if_late(tl.max(late, axis=0), tl.program_id(0), 0)
 except ImportError:  # CPU-only machines never run the emulation
     _signal_kernel = None
 
@@ -64,20 +67,21 @@ class EmulatedHandle:
             raise RuntimeError(f"get_buffer: {nbytes} bytes at offset {start} exceed the {raw.numel()}-byte buffer")
         return raw[start : start + nbytes].view(dtype).view(*sizes)
 
-    def put_signal(self, dst_rank: int, channel: int = 0) -> None:
+    # timeout_ms: torch's 0 waits forever; a kernel that times out prints and traps, as torch's do
+    def put_signal(self, dst_rank: int, channel: int = 0, timeout_ms: int = 0) -> None:
         slot = channel * self.world_size + self.rank
-        self._signal[(1,)](self._pads[dst_rank][slot : slot + 1], WAIT=False, num_warps=1)
+        self._signal[(1,)](self._pads[dst_rank][slot : slot + 1], timeout_ms or 2**31 - 1, WAIT=False, num_warps=1)
 
-    def wait_signal(self, src_rank: int, channel: int = 0) -> None:
+    def wait_signal(self, src_rank: int, channel: int = 0, timeout_ms: int = 0) -> None:
         slot = channel * self.world_size + src_rank
-        self._signal[(1,)](self._pads[self.rank][slot : slot + 1], WAIT=True, num_warps=1)
+        self._signal[(1,)](self._pads[self.rank][slot : slot + 1], timeout_ms or 2**31 - 1, WAIT=True, num_warps=1)
 
-    def barrier(self, channel: int = 0) -> None:
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
         for peer in peers:
-            self.put_signal(peer, channel)
+            self.put_signal(peer, channel, timeout_ms)
         for peer in peers:
-            self.wait_signal(peer, channel)
+            self.wait_signal(peer, channel, timeout_ms)
 
 
 class EmulatedSymmetricMemory:
@@ -134,7 +138,9 @@ def _emulated_rank(ctx, fn, args, timeout_s):
     return fn(dataclasses.replace(ctx, device=torch.device("cuda", 0)), *args)
 
 
-def run(world_size: int, fn, *args, timeout_s: float = 600):
+def run(world_size: int, fn, *args, timeout_s: float = 600, collective_timeout_s: float = 120):
     """[fn(ctx, *args) for every emulated rank] (ctx.device: the one GPU); a rank's error or a timeout
-    (a deadlocked protocol) raises, as in tpweave.launch."""
-    return tpweave.launch(_emulated_rank, fn, args, timeout_s, nprocs=world_size, backend="gloo", timeout_s=timeout_s)
+    (a deadlocked protocol) raises, as in tpweave.launch. collective_timeout_s: the gloo group's
+    timeout, which is also how long the kernels wait for a peer's signal."""
+    return tpweave.launch(_emulated_rank, fn, args, timeout_s, nprocs=world_size, backend="gloo", timeout_s=timeout_s,
+                          collective_timeout_s=collective_timeout_s)

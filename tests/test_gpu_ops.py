@@ -121,6 +121,19 @@ def test_ar_norm_protocols_on_emulated_ranks(world_size):
     _check_all_reduce_rms_norm(out, names)
 
 
+@pytest.mark.parametrize("name", ["triton_ar_norm", "triton_ar_norm_1b", "triton_ar_norm_ll", "ce_overlap"])
+def test_dead_peer_stops_the_kernel_with_a_message_on_emulated_ranks(name, tmp_path):
+    """A rank whose peer died inside a symmetric-memory op gets a CUDA error and a printed reason once
+    the process group's timeout passed (8 s here), instead of a GPU spinning forever."""
+    import emulated_ranks
+
+    out = emulated_ranks.run(2, workers.gpu_peer_never_arrives, name, str(tmp_path / "rank0.log"), timeout_s=150, collective_timeout_s=8)
+    elapsed, error, printed = out[0]
+    assert error is not None and "CUDA" in error, error
+    assert "tpweave: a peer rank sent no signal within the process group's timeout" in printed, printed
+    assert 7.5 < elapsed < 60, elapsed
+
+
 @pytest.mark.parametrize("hidden", [4096, 5120])
 def test_add_rms_norm_kernel_with_second_summand(hidden):
     """The add + norm kernel that ends ce_overlap's reduce-scatter: h = dtype(dtype(s + s2) + residual),

@@ -426,6 +426,39 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
 
 
 @torch.no_grad()
+def gpu_peer_never_arrives(ctx, name, log_path):
+    """One call of strategy `name` on every rank, then rank 0 calls it again after its peers left (a
+    peer that died): its kernel must stop the process with a message once the group's timeout passed,
+    not spin forever. Rank 0 returns (seconds until the error, the error, what the GPU printed)."""
+    import torch.distributed as dist
+
+    x = _draw(1, 64, 4096, device=ctx.device)
+    w = torch.ones(4096, device=ctx.device, dtype=torch.bfloat16)
+    if name.startswith("triton_ar_norm"):
+        call = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, x, w, 1e-5, False, ctx.group_name, ctx.world_size, name)  # noqa: E731
+    else:
+        call = lambda: torch.ops.tpweave.ag_mm(x, [x.t()], [None], [64 * ctx.world_size], ctx.group_name, ctx.world_size, name)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if ctx.rank != 0:
+        return None
+    stdout_fd = os.dup(1)
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)  # the device's printf writes to the process's fd 1
+        start = time.monotonic()
+        try:
+            call()
+            torch.cuda.synchronize()
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        elapsed = time.monotonic() - start
+        os.dup2(stdout_fd, 1)
+    return elapsed, error, open(log_path).read()
+
+
+@torch.no_grad()
 def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
     """Every op strategy `name` implements (ag_mm, mm_rs, mm_rs_rms_norm, FP8 ag_scaled_mm and
     scaled_mm_rs), eager back to back and as CUDA-graph replays on new data, against a reference every

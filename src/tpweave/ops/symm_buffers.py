@@ -51,6 +51,24 @@ def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def wait_timeout_ms(group_name: str) -> int:
+    """How long a kernel waits for a peer's signal before it stops the process with a message: the
+    group's collective timeout, the bound on legitimate skew that NCCL collectives have too (a rank
+    that died inside a symmetric-memory op must not leave its peers' GPUs spinning forever)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from tpweave.runtime.groups import DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    group = _resolve_process_group(group_name)
+    for device_type in ("cuda", "cpu"):
+        try:
+            return max(1, int(group._get_backend(torch.device(device_type)).options._timeout.total_seconds() * 1000))
+        except (AttributeError, RuntimeError):  # no backend for this device type, or no options on it
+            continue
+    return int(DEFAULT_COLLECTIVE_TIMEOUT_S * 1000)
+
+
+@functools.lru_cache(maxsize=None)
 def has_symm_mem_ops(*names: str) -> bool:
     """Whether torch.ops.symm_mem has all of `names` (importing the module that registers them)."""
     try:

@@ -13,6 +13,8 @@ three, and (mm_rs) a push of finished rows instead of an all-to-all of every par
 Buffer reuse: each op opens with a barrier on the side stream. A rank's side stream reaches it only
 after its caller's stream finished the previous op (which read the slots), so no rank writes a slot
 a peer still reads. Signal channels of the buffer's pad: 0 = that barrier, 1 = "your slot is filled".
+Every wait ends at the group's collective timeout (torch's signal kernels then print which rank and
+channel, and trap): a dead peer stops this process instead of hanging its GPU.
 CUDA only, P2P-reachable peers; elsewhere `pick` falls back to `sequential`.
 """
 from __future__ import annotations
@@ -70,17 +72,18 @@ def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, w
     widths = [p.numel() // rows for p in parts]
     slots = [_slots(group_name, world_size, rows, width, p) for p, width in zip(parts, widths)]
     handle, rank = slots[0][0], slots[0][0].rank
+    timeout_ms = symm_buffers.wait_timeout_ms(group_name)
     main, side = torch.cuda.current_stream(), _side_stream(parts[0].device)
 
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        handle.barrier(channel=_BARRIER)
+        handle.barrier(channel=_BARRIER, timeout_ms=timeout_ms)
         for step in range(1, world_size):
             peer = (rank - step) % world_size  # the peer that consumes this shard at its `step`
             for part, width, (part_handle, _) in zip(parts, widths, slots):
                 offset = rank * _slot_stride(rows, width)
                 part_handle.get_buffer(peer, (rows, width), part.dtype, offset).copy_(part.reshape(rows, width))
-            handle.put_signal(peer, channel=_FILLED)  # after the copies: same stream
+            handle.put_signal(peer, channel=_FILLED, timeout_ms=timeout_ms)  # after the copies: same stream
 
     def run(src: int, rows_of_src: list[Tensor]) -> None:
         lo, hi = _token_range(src, rows, num_tokens)
@@ -93,7 +96,7 @@ def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, w
     with torch.cuda.stream(compute):
         for step in range(1, world_size):
             src = (rank + step) % world_size
-            handle.wait_signal(src, channel=_FILLED)
+            handle.wait_signal(src, channel=_FILLED, timeout_ms=timeout_ms)
             run(src, [part_slots[src] for _, part_slots in slots])
     main.wait_stream(compute)
     main.wait_stream(side)
@@ -156,7 +159,7 @@ def _produce_and_push(num_tokens: int, width: int, like: Tensor, matmul_rows: Ca
     waited for every push."""
     rows = -(-num_tokens // world_size)
     handle, slots = _slots(group_name, world_size, rows, width, like)
-    rank = handle.rank
+    rank, timeout_ms = handle.rank, symm_buffers.wait_timeout_ms(group_name)
     main, side = torch.cuda.current_stream(), _side_stream(like.device)
 
     def partial(dst: int) -> Tensor:
@@ -171,7 +174,7 @@ def _produce_and_push(num_tokens: int, width: int, like: Tensor, matmul_rows: Ca
 
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        handle.barrier(channel=_BARRIER)
+        handle.barrier(channel=_BARRIER, timeout_ms=timeout_ms)
     in_flight = []  # kept until the streams join: the allocator must not hand them to the next GEMM
     for step in range(1, world_size):
         peer = (rank + step) % world_size
@@ -180,12 +183,12 @@ def _produce_and_push(num_tokens: int, width: int, like: Tensor, matmul_rows: Ca
         side.wait_stream(main)
         with torch.cuda.stream(side):
             handle.get_buffer(peer, (rows, width), like.dtype, rank * _slot_stride(rows, width)).copy_(rows_for_peer)
-            handle.put_signal(peer, channel=_FILLED)
+            handle.put_signal(peer, channel=_FILLED, timeout_ms=timeout_ms)
     own = partial(rank)
     received = []
     for step in range(1, world_size):
         src = (rank - step) % world_size  # in the order the peers pushed
-        handle.wait_signal(src, channel=_FILLED)
+        handle.wait_signal(src, channel=_FILLED, timeout_ms=timeout_ms)
         received.append(slots[src])
     main.wait_stream(side)
     return own, received

@@ -52,56 +52,99 @@ if triton is not None:
         return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _send_signal(addrs):
-        # spin until the slot is 0, then set it to 1 (release: this block's writes are visible first)
-        tl.inline_asm_elementwise(
+    def _globaltimer(like):
+        # nanoseconds, one reading per element of `like` (int32): a vector, so a reduction over it is uniform
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l, r", [like], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _send_signal(addrs, timeout_ns):
+        # spin until the slot is 0, then set it to 1 (release: this block's writes are visible first).
+        # 0, or 1 when the slot stayed set for timeout_ns (the peer never consumed the last signal)
+        return tl.inline_asm_elementwise(
             """
             {
             .reg .u32 %tmp32_<1>;
-            .reg .pred %p<1>;
+            .reg .pred %p<2>;
+            .reg .u64 %t<2>;
+            mov.u64 %t0, %globaltimer;
+            mov.u32 $0, 0;
             send_signal:
                 atom.global.release.sys.cas.b32 %tmp32_0, [$1], 0, 1;
                 setp.eq.u32 %p0, %tmp32_0, 0;
-                @!%p0 bra send_signal;
+                @%p0 bra send_done;
+                mov.u64 %t1, %globaltimer;
+                sub.u64 %t1, %t1, %t0;
+                setp.lt.u64 %p1, %t1, $2;
+                @%p1 bra send_signal;
+                mov.u32 $0, 1;
+            send_done:
             }
             """,
-            "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1,
+            "=r, l, l", [addrs, timeout_ns], dtype=tl.int32, is_pure=False, pack=1,
         )
 
     @triton.jit
-    def _wait_signal(addrs):
-        # spin until the peer set the slot to 1, reset it to 0 (acquire: the peer's writes are visible after)
-        tl.inline_asm_elementwise(
+    def _wait_signal(addrs, timeout_ns):
+        # spin until the peer set the slot to 1, reset it to 0 (acquire: the peer's writes are visible after).
+        # 0, or 1 when no signal came within timeout_ns
+        return tl.inline_asm_elementwise(
             """
             {
             .reg .u32 %tmp32_<1>;
-            .reg .pred %p<1>;
+            .reg .pred %p<2>;
+            .reg .u64 %t<2>;
+            mov.u64 %t0, %globaltimer;
+            mov.u32 $0, 0;
             wait_signal:
                 atom.global.sys.acquire.cas.b32 %tmp32_0, [$1], 1, 0;
                 setp.eq.u32 %p0, %tmp32_0, 1;
-                @!%p0 bra wait_signal;
+                @%p0 bra wait_done;
+                mov.u64 %t1, %globaltimer;
+                sub.u64 %t1, %t1, %t0;
+                setp.lt.u64 %p1, %t1, $2;
+                @%p1 bra wait_signal;
+                mov.u32 $0, 1;
+            wait_done:
             }
             """,
-            "=r, l", [addrs], dtype=tl.int32, is_pure=False, pack=1,
+            "=r, l, l", [addrs, timeout_ns], dtype=tl.int32, is_pure=False, pack=1,
         )
 
     @triton.jit
-    def _block_barrier(signal_pad_ptrs, block_id, RANK: tl.constexpr, WORLD: tl.constexpr):
+    def _trap():
+        return tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _stop_if_late(worst, block_id, RANK: tl.constexpr):
+        """A peer that died (or runs another program) must not hang this GPU: past the group's timeout
+        the kernel prints why and traps, so the process gets a CUDA error instead of spinning forever.
+        `worst`: nonzero when a wait of this program timed out (a block-wide reduction: uniform)."""
+        if worst > 0:
+            if _thread_id() == 0:
+                tl.device_print("tpweave: a peer rank sent no signal within the process group's timeout "
+                                "(it died, or the ranks run different programs); this rank, kernel block:", RANK + 0 * block_id, block_id)
+            _trap()
+
+    @triton.jit
+    def _block_barrier(signal_pad_ptrs, block_id, timeout_ms, RANK: tl.constexpr, WORLD: tl.constexpr):
         """Program `block_id` of every rank meets here. Slot (block, src) of each pad: 0 idle, 1 signalled."""
         tl.debug_barrier()
         ranks = tl.arange(0, WORLD)
         pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
         remote_pads = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
         local_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+        timeout_ns = tl.full([WORLD], timeout_ms, tl.int64) * 1000000
+        late = tl.zeros([WORLD], dtype=tl.int32)
         # thread r < WORLD holds element r of these vectors
         if _thread_id() < WORLD:
-            _send_signal(remote_pads + block_id * WORLD + RANK)
-            _wait_signal(local_pad + block_id * WORLD + ranks)
+            late = _send_signal(remote_pads + block_id * WORLD + RANK, timeout_ns)
+            late += _wait_signal(local_pad + block_id * WORLD + ranks, timeout_ns)
         tl.debug_barrier()
+        _stop_if_late(tl.max(late, axis=0), block_id, RANK)
 
     @triton.jit
     def _all_reduce_rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, signal_pad_ptrs, num_rows, eps,
+        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, signal_pad_ptrs, num_rows, eps, timeout_ms,
         H: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr,
     ):
@@ -114,7 +157,7 @@ if triton is not None:
         for row in range(pid, num_rows, num_programs):
             offs = row.to(tl.int64) * H + cols
             tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-        _block_barrier(signal_pad_ptrs, pid, RANK, WORLD)
+        _block_barrier(signal_pad_ptrs, pid, timeout_ms, RANK, WORLD)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         for row in range(pid, num_rows, num_programs):
             offs = row.to(tl.int64) * H + cols
@@ -123,7 +166,7 @@ if triton is not None:
                 peer = tl.load(bufs + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
                 s += tl.load(peer + offs, mask=mask, other=0.0).to(tl.float32)
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
-        _block_barrier(signal_pad_ptrs, pid, RANK, WORLD)
+        _block_barrier(signal_pad_ptrs, pid, timeout_ms, RANK, WORLD)
 
 
 if triton is not None:
@@ -135,25 +178,33 @@ if triton is not None:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _wait_epoch(addrs, vals):
-        # spin until the peer's slot holds at least this call number (acquire)
-        tl.inline_asm_elementwise(
+    def _wait_epoch(addrs, vals, timeout_ns):
+        # spin until the peer's slot holds at least this call number (acquire); 0, or 1 after timeout_ns
+        return tl.inline_asm_elementwise(
             """
             {
             .reg .u32 %seen;
-            .reg .pred %p0;
+            .reg .pred %p<2>;
+            .reg .u64 %t<2>;
+            mov.u64 %t0, %globaltimer;
+            mov.u32 $0, 0;
             wait_epoch:
                 ld.global.acquire.sys.u32 %seen, [$1];
-                setp.lt.u32 %p0, %seen, $2;
-                @%p0 bra wait_epoch;
-                mov.u32 $0, %seen;
+                setp.ge.u32 %p0, %seen, $2;
+                @%p0 bra epoch_done;
+                mov.u64 %t1, %globaltimer;
+                sub.u64 %t1, %t1, %t0;
+                setp.lt.u64 %p1, %t1, $3;
+                @%p1 bra wait_epoch;
+                mov.u32 $0, 1;
+            epoch_done:
             }
             """,
-            "=r, l, r", [addrs, vals], dtype=tl.int32, is_pure=False, pack=1,
+            "=r, l, r, l", [addrs, vals, timeout_ns], dtype=tl.int32, is_pure=False, pack=1,
         )
 
     @triton.jit
-    def _epoch_barrier(signal_pad_ptrs, block_id, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+    def _epoch_barrier(signal_pad_ptrs, block_id, epoch, timeout_ms, RANK: tl.constexpr, WORLD: tl.constexpr):
         """Program `block_id` of every rank meets at call `epoch`. Slot (block, src) holds src's last call
         number: it only grows, so no slot is ever reset and a peer one call ahead does not block."""
         tl.debug_barrier()
@@ -162,14 +213,17 @@ if triton is not None:
         remote_pads = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
         local_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
         epochs = tl.zeros([WORLD], dtype=tl.int32) + epoch
+        timeout_ns = tl.full([WORLD], timeout_ms, tl.int64) * 1000000
+        late = tl.zeros([WORLD], dtype=tl.int32)
         if _thread_id() < WORLD:
             _put_epoch(remote_pads + block_id * WORLD + RANK, epochs)
-            _wait_epoch(local_pad + block_id * WORLD + ranks, epochs)
+            late = _wait_epoch(local_pad + block_id * WORLD + ranks, epochs, timeout_ns)
         tl.debug_barrier()
+        _stop_if_late(tl.max(late, axis=0), block_id, RANK)
 
     @triton.jit
     def _all_reduce_rms_norm_1b_kernel(
-        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, signal_pad_ptrs, calls_ptr, num_rows, half, eps,
+        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, signal_pad_ptrs, calls_ptr, num_rows, half, eps, timeout_ms,
         H: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr,
     ):
@@ -187,7 +241,7 @@ if triton is not None:
         for row in range(pid, num_rows, num_programs):
             offs = row.to(tl.int64) * H + cols
             tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-        _epoch_barrier(signal_pad_ptrs, pid, epoch, RANK, WORLD)
+        _epoch_barrier(signal_pad_ptrs, pid, epoch, timeout_ms, RANK, WORLD)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         for row in range(pid, num_rows, num_programs):
             offs = row.to(tl.int64) * H + cols
@@ -202,7 +256,7 @@ if triton is not None:
 
     @triton.jit
     def _all_reduce_rms_norm_ll_kernel(
-        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, calls_ptr, num_rows, slot_numel, eps,
+        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, calls_ptr, num_rows, slot_numel, eps, timeout_ms,
         H: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
     ):
@@ -219,6 +273,7 @@ if triton is not None:
         bufs = buffer_ptrs.to(tl.pointer_type(tl.uint64))
         own = tl.load(bufs + RANK).to(tl.pointer_type(dtype))
         sentinel = tl.full([BLOCK_H], SENTINEL, BITS).to(dtype, bitcast=True)
+        timeout_ns = tl.full([BLOCK_H], timeout_ms, tl.int64) * 1000000
         # push this rank's rows into every peer's slot (+0.0 turns -0.0, the sentinel, into +0.0)
         for row in range(pid, num_rows, num_programs):
             offs = row.to(tl.int64) * H + cols
@@ -237,9 +292,15 @@ if triton is not None:
                 else:
                     src = own + slot_base + r * src_numel + offs
                     got = tl.load(src, mask=mask, other=0.0, volatile=True)
-                    # each element arrives on its own: spin until none is the sentinel any more
-                    while tl.sum((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=0) > 0:
+                    # each element arrives on its own: spin until none is the sentinel any more.
+                    # state: 1 while some element is the sentinel, 3 once one still is after the timeout
+                    state = tl.max((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=0)
+                    start = _globaltimer(cols)
+                    while state == 1:
                         got = tl.load(src, mask=mask, other=0.0, volatile=True)
+                        late = ((_globaltimer(cols) - start) > timeout_ns).to(tl.int32)
+                        state = tl.max((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32) * (1 + 2 * late), axis=0)
+                    _stop_if_late(state // 2, pid, RANK)
                     s += got.to(tl.float32)
                     tl.store(src, sentinel, mask=mask)  # ready for call epoch + 3
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
@@ -278,13 +339,14 @@ def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tenso
     tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
     meta = dict(H=hidden, BLOCK_H=rms_norm.block_h(hidden), WORLD=world_size, HAS_RESIDUAL=residual is not None,
                 WEIGHT_FP32=weight_in_fp32, num_warps=rms_norm.num_warps_for(hidden))
+    timeout_ms = symm_buffers.wait_timeout_ms(group_name)
     if protocol == "lamport" and num_rows > LAMPORT_MAX_ROWS:
         protocol = "two_barriers"  # its buffer holds 3 x TP copies of the rows: a decode-size protocol
     if protocol == "two_barriers":
         buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
         handle = symm_buffers.handle(buf)
         _all_reduce_rms_norm_kernel[(min(num_rows, _max_programs(world_size)),)](
-            *tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps, RANK=handle.rank, **meta)
+            *tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps, timeout_ms, RANK=handle.rank, **meta)
         return y, h
     grid = _fixed_grid(num_rows, world_size)
     num_slots = 2 if protocol == "one_barrier" else 3 * world_size
@@ -296,13 +358,13 @@ def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tenso
         calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
         if protocol == "lamport":  # every element the sentinel on every rank before any peer stores data
             buf.view(bits).fill_(sentinel)
-            handle.barrier(channel=0)
+            handle.barrier(channel=0, timeout_ms=timeout_ms)
     if protocol == "one_barrier":
         _all_reduce_rms_norm_1b_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows,
-                                                buf.numel() // 2, eps, RANK=handle.rank, **meta)
+                                                buf.numel() // 2, eps, timeout_ms, RANK=handle.rank, **meta)
     else:
         _all_reduce_rms_norm_ll_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, calls, num_rows, buf.numel() // 3, eps,
-                                                RANK=handle.rank, BITS=_TL_BITS[bits], SENTINEL=sentinel, **meta)
+                                                timeout_ms, RANK=handle.rank, BITS=_TL_BITS[bits], SENTINEL=sentinel, **meta)
     return y, h
 
 
