@@ -116,6 +116,12 @@ def test_rank_that_hangs_times_out():
         tpweave.launch(workers.hang_on_rank, 1, nprocs=2, timeout_s=20)
 
 
+def test_symmetric_memory_waits_end_at_the_group_timeout():
+    """tpweave's signal waits (GPU kernels) give up after the group's collective timeout, like NCCL's
+    collectives; on GPUs, test_dead_peer_stops_the_kernel_with_a_message_on_emulated_ranks."""
+    assert tpweave.launch(workers.symm_wait_timeout_ms, nprocs=2, collective_timeout_s=42) == [42000, 42000]
+
+
 @pytest.mark.parametrize("tp,feature_shape", [(2, (4,)), (3, (2, 3)), (4, (5,))])
 def test_token_collectives_any_m(tp, feature_shape):
     counts = [1, 2, 3, 5, 7, 64]

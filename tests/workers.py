@@ -52,6 +52,12 @@ def die_on_rank(ctx, bad_rank):
     return ctx.rank
 
 
+def symm_wait_timeout_ms(ctx):
+    from tpweave.ops import symm_buffers
+
+    return symm_buffers.wait_timeout_ms(ctx.group_name)
+
+
 def hang_on_rank(ctx, bad_rank):
     if ctx.rank == bad_rank:
         time.sleep(3600)
