@@ -29,18 +29,17 @@ try:
     import triton
     import triton.language as tl
 
-    from tpweave.ops.strategies.triton_ar_norm import _send_signal, _stop_if_late, _thread_id, _wait_signal
+    from tpweave.ops.strategies.triton_ar_norm import _send_signal, _stop_if_late, _wait_signal
 
     @triton.jit
     def _signal_kernel(slot_ptr, timeout_ms, WAIT: tl.constexpr):
         addrs = slot_ptr + tl.zeros([1], dtype=tl.int32)
         timeout_ns = tl.full([1], timeout_ms, tl.int64) * 1000000
-        late = tl.zeros([1], dtype=tl.int32)
-        if _thread_id() == 0:  # one thread: a second CAS 0 -> 1 would spin until the slot is consumed
-            if WAIT:
-                late = _wait_signal(addrs, timeout_ns)
-            else:
-                late = _send_signal(addrs, timeout_ns)
+        one = tl.full([1], 1, tl.int32)  # one thread: a second CAS 0 -> 1 would spin until the slot is consumed
+        if WAIT:
+            late = _wait_signal(addrs, timeout_ns, one)
+        else:
+            late = _send_signal(addrs, timeout_ns, one)
         _stop_if_late(tl.max(late, axis=0), tl.program_id(0), 0)
 except ImportError:  # CPU-only machines never run the emulation
     _signal_kernel = None

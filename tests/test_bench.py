@@ -71,8 +71,8 @@ def test_kernel_categories_and_checks():
     assert categorize("Memcpy PtoP (Device -> Device)") == "symm_mem"
     assert categorize("void (anonymous namespace)::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2, false, false>") == "symm_mem"
     assert categorize("c10::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)") == "symm_mem"
-    assert categorize("_all_reduce_rms_norm_kernel") == categorize("_all_reduce_rms_norm_1b_kernel") == "tpweave_comm"
-    assert "tpweave_comm" in expected_categories("auto", {"triton_ar_norm_1b"}, "plain")
+    assert categorize("_all_reduce_rms_norm_kernel") == categorize("_all_reduce_rms_norm_ll_kernel") == "tpweave_comm"
+    assert "tpweave_comm" in expected_categories("auto", {"triton_ar_norm_ll"}, "plain")
     need = expected_categories("sp_fused", {"symm_mem_fused"}, "sp")
     assert check("sp_fused", {"nccl_all_gather": 2}, need) == ["sp_fused: no symm_mem kernels ran (strategies ['symm_mem_fused'] at this M)"]
     assert check("sp_fused", {"symm_mem": 30}, need) == []

@@ -438,6 +438,8 @@ def gpu_peer_never_arrives(ctx, name, log_path):
     not spin forever. Rank 0 returns (seconds until the error, the error, what the GPU printed)."""
     import torch.distributed as dist
 
+    from tpweave.ops import symm_buffers
+
     x = _draw(1, 64, 4096, device=ctx.device)
     w = torch.ones(4096, device=ctx.device, dtype=torch.bfloat16)
     if name.startswith("triton_ar_norm"):
@@ -448,6 +450,9 @@ def gpu_peer_never_arrives(ctx, name, log_path):
     torch.cuda.synchronize()
     dist.barrier()
     if ctx.rank != 0:
+        # gone from the protocol, alive until rank 0 is done (its memory stays mapped, as torch's
+        # symmetric memory stays when a process dies)
+        time.sleep(2 * symm_buffers.wait_timeout_ms(ctx.group_name) / 1000)
         return None
     stdout_fd = os.dup(1)
     with open(log_path, "w") as log:

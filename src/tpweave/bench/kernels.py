@@ -18,7 +18,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("nccl_all_gather", re.compile(r"nccl.*AllGather", re.I)),
     ("nccl_other", re.compile(r"nccl", re.I)),
     # tpweave's own communication kernels (ops/strategies/triton_*.py)
-    ("tpweave_comm", re.compile(r"_all_reduce_rms_norm(_1b|_ll)?_kernel")),
+    ("tpweave_comm", re.compile(r"_all_reduce_rms_norm(_ll)?_kernel")),
     # torch symm_mem: one/two-shot all-reduce kernels, barriers and signal kernels of the fused ops and
     # of tpweave's ce_overlap, and the copy-engine peer copies of their pipelines
     ("symm_mem", re.compile(r"one_shot|two_shot|multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),

@@ -8,9 +8,8 @@ one more launch. Each program owns rows pid, pid + G, ...:
   3. reads the rows from every rank's buffer over NVLink (peer loads, no multicast), sums them in
      rank order (every rank gets the same bits), adds the residual, normalizes, stores y and h,
   4. barrier again: no rank overwrites its buffer (next call) while a peer still reads it.
-`triton_ar_norm_1b` needs only the first barrier (two buffer halves used in turn), `triton_ar_norm_ll`
-none (Lamport-style: rows pushed into the peers' buffers, readers spin on a sentinel value; up to
-LAMPORT_MAX_ROWS rows). See `_fused_all_reduce_rms_norm`.
+`triton_ar_norm_ll` needs no barrier (Lamport-style: rows pushed into the peers' buffers, readers spin
+on a sentinel value; up to LAMPORT_MAX_ROWS rows). See `_fused_all_reduce_rms_norm`.
 CUDA only (P2P-reachable peers); the CPU path of `tpweave::all_reduce_rms_norm` is the composed one.
 """
 from __future__ import annotations
@@ -56,59 +55,78 @@ if triton is not None:
         # nanoseconds, one reading per element of `like` (int32): a vector, so a reduction over it is uniform
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l, r", [like], dtype=tl.int64, is_pure=False, pack=1)
 
+    # The spin loops below run in threads tid < num_active only (thread r holds element r of a WORLD-vector;
+    # the other threads hold replicas and must not signal twice): a guard inside the asm, not a Triton
+    # `if`, so no value is carried out of a divergent region. They write their result ($0) last: an
+    # output may share a register with an input.
+
     @triton.jit
-    def _send_signal(addrs, timeout_ns):
+    def _send_signal(addrs, timeout_ns, num_active):
         # spin until the slot is 0, then set it to 1 (release: this block's writes are visible first).
         # 0, or 1 when the slot stayed set for timeout_ns (the peer never consumed the last signal)
         return tl.inline_asm_elementwise(
             """
             {
-            .reg .u32 %tmp32_<1>;
-            .reg .pred %p<2>;
+            .reg .u32 %tmp32_<1>, %me;
+            .reg .pred %p<3>;
             .reg .u64 %t<2>;
+            mov.u32 %me, %tid.x;
+            setp.ge.u32 %p2, %me, $3;
+            @%p2 bra send_ok;
             mov.u64 %t0, %globaltimer;
-            mov.u32 $0, 0;
             send_signal:
                 atom.global.release.sys.cas.b32 %tmp32_0, [$1], 0, 1;
                 setp.eq.u32 %p0, %tmp32_0, 0;
-                @%p0 bra send_done;
+                @%p0 bra send_ok;
                 mov.u64 %t1, %globaltimer;
                 sub.u64 %t1, %t1, %t0;
                 setp.lt.u64 %p1, %t1, $2;
                 @%p1 bra send_signal;
                 mov.u32 $0, 1;
+                bra send_done;
+            send_ok:
+                mov.u32 $0, 0;
             send_done:
             }
             """,
-            "=r, l, l", [addrs, timeout_ns], dtype=tl.int32, is_pure=False, pack=1,
+            "=r, l, l, r", [addrs, timeout_ns, num_active], dtype=tl.int32, is_pure=False, pack=1,
         )
 
     @triton.jit
-    def _wait_signal(addrs, timeout_ns):
+    def _wait_signal(addrs, timeout_ns, num_active):
         # spin until the peer set the slot to 1, reset it to 0 (acquire: the peer's writes are visible after).
         # 0, or 1 when no signal came within timeout_ns
         return tl.inline_asm_elementwise(
             """
             {
-            .reg .u32 %tmp32_<1>;
-            .reg .pred %p<2>;
+            .reg .u32 %tmp32_<1>, %me;
+            .reg .pred %p<3>;
             .reg .u64 %t<2>;
+            mov.u32 %me, %tid.x;
+            setp.ge.u32 %p2, %me, $3;
+            @%p2 bra wait_ok;
             mov.u64 %t0, %globaltimer;
-            mov.u32 $0, 0;
             wait_signal:
                 atom.global.sys.acquire.cas.b32 %tmp32_0, [$1], 1, 0;
                 setp.eq.u32 %p0, %tmp32_0, 1;
-                @%p0 bra wait_done;
+                @%p0 bra wait_ok;
                 mov.u64 %t1, %globaltimer;
                 sub.u64 %t1, %t1, %t0;
                 setp.lt.u64 %p1, %t1, $2;
                 @%p1 bra wait_signal;
                 mov.u32 $0, 1;
+                bra wait_done;
+            wait_ok:
+                mov.u32 $0, 0;
             wait_done:
             }
             """,
-            "=r, l, l", [addrs, timeout_ns], dtype=tl.int32, is_pure=False, pack=1,
+            "=r, l, l, r", [addrs, timeout_ns, num_active], dtype=tl.int32, is_pure=False, pack=1,
         )
+
+    @triton.jit
+    def _pause():
+        return tl.inline_asm_elementwise("nanosleep.u32 1000000; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _trap():
@@ -123,6 +141,8 @@ if triton is not None:
             if _thread_id() == 0:
                 tl.device_print("tpweave: a peer rank sent no signal within the process group's timeout "
                                 "(it died, or the ranks run different programs); this rank, kernel block:", RANK + 0 * block_id, block_id)
+            else:
+                _pause()  # a trap ends every thread of the kernel: thread 0's message goes first
             _trap()
 
     @triton.jit
@@ -134,11 +154,9 @@ if triton is not None:
         remote_pads = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
         local_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
         timeout_ns = tl.full([WORLD], timeout_ms, tl.int64) * 1000000
-        late = tl.zeros([WORLD], dtype=tl.int32)
-        # thread r < WORLD holds element r of these vectors
-        if _thread_id() < WORLD:
-            late = _send_signal(remote_pads + block_id * WORLD + RANK, timeout_ns)
-            late += _wait_signal(local_pad + block_id * WORLD + ranks, timeout_ns)
+        active = tl.full([WORLD], WORLD, tl.int32)
+        late = _send_signal(remote_pads + block_id * WORLD + RANK, timeout_ns, active)
+        late += _wait_signal(local_pad + block_id * WORLD + ranks, timeout_ns, active)
         tl.debug_barrier()
         _stop_if_late(tl.max(late, axis=0), block_id, RANK)
 
@@ -167,89 +185,6 @@ if triton is not None:
                 s += tl.load(peer + offs, mask=mask, other=0.0).to(tl.float32)
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
         _block_barrier(signal_pad_ptrs, pid, timeout_ms, RANK, WORLD)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _put_epoch(addrs, vals):
-        # store the call number at system scope, release: this block's writes are visible first
-        tl.inline_asm_elementwise("st.global.release.sys.u32 [$1], $2; mov.u32 $0, 0;", "=r, l, r", [addrs, vals],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _wait_epoch(addrs, vals, timeout_ns):
-        # spin until the peer's slot holds at least this call number (acquire); 0, or 1 after timeout_ns
-        return tl.inline_asm_elementwise(
-            """
-            {
-            .reg .u32 %seen;
-            .reg .pred %p<2>;
-            .reg .u64 %t<2>;
-            mov.u64 %t0, %globaltimer;
-            mov.u32 $0, 0;
-            wait_epoch:
-                ld.global.acquire.sys.u32 %seen, [$1];
-                setp.ge.u32 %p0, %seen, $2;
-                @%p0 bra epoch_done;
-                mov.u64 %t1, %globaltimer;
-                sub.u64 %t1, %t1, %t0;
-                setp.lt.u64 %p1, %t1, $3;
-                @%p1 bra wait_epoch;
-                mov.u32 $0, 1;
-            epoch_done:
-            }
-            """,
-            "=r, l, r, l", [addrs, vals, timeout_ns], dtype=tl.int32, is_pure=False, pack=1,
-        )
-
-    @triton.jit
-    def _epoch_barrier(signal_pad_ptrs, block_id, epoch, timeout_ms, RANK: tl.constexpr, WORLD: tl.constexpr):
-        """Program `block_id` of every rank meets at call `epoch`. Slot (block, src) holds src's last call
-        number: it only grows, so no slot is ever reset and a peer one call ahead does not block."""
-        tl.debug_barrier()
-        ranks = tl.arange(0, WORLD)
-        pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
-        remote_pads = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
-        local_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
-        epochs = tl.zeros([WORLD], dtype=tl.int32) + epoch
-        timeout_ns = tl.full([WORLD], timeout_ms, tl.int64) * 1000000
-        late = tl.zeros([WORLD], dtype=tl.int32)
-        if _thread_id() < WORLD:
-            _put_epoch(remote_pads + block_id * WORLD + RANK, epochs)
-            late = _wait_epoch(local_pad + block_id * WORLD + ranks, epochs, timeout_ns)
-        tl.debug_barrier()
-        _stop_if_late(tl.max(late, axis=0), block_id, RANK)
-
-    @triton.jit
-    def _all_reduce_rms_norm_1b_kernel(
-        x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, buffer_ptrs, signal_pad_ptrs, calls_ptr, num_rows, half, eps, timeout_ms,
-        H: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        num_programs = tl.num_programs(0)
-        # every program of every call on this buffer runs (fixed grid), so each program's count is the
-        # call number, equal across programs and ranks: the buffer half it picks alternates per call
-        epoch = tl.load(calls_ptr + pid) + 1
-        tl.store(calls_ptr + pid, epoch)
-        cols = tl.arange(0, BLOCK_H)
-        mask = cols < H
-        bufs = buffer_ptrs.to(tl.pointer_type(tl.uint64))
-        offset = (epoch % 2).to(tl.int64) * half
-        own = tl.load(bufs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty)) + offset
-        for row in range(pid, num_rows, num_programs):
-            offs = row.to(tl.int64) * H + cols
-            tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-        _epoch_barrier(signal_pad_ptrs, pid, epoch, timeout_ms, RANK, WORLD)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        for row in range(pid, num_rows, num_programs):
-            offs = row.to(tl.int64) * H + cols
-            s = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for r in tl.static_range(WORLD):
-                peer = tl.load(bufs + r).to(tl.pointer_type(x_ptr.dtype.element_ty)) + offset
-                s += tl.load(peer + offs, mask=mask, other=0.0).to(tl.float32)
-            rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
 if triton is not None:
@@ -306,11 +241,11 @@ if triton is not None:
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
-_CALLS: dict[int, Tensor] = {}  # id(buffer) -> per-program call counters (triton_ar_norm_1b and _ll)
+_CALLS: dict[int, Tensor] = {}  # id(buffer) -> per-program call counters (triton_ar_norm_ll)
 
 
 def _fixed_grid(num_rows: int, world_size: int) -> int:
-    """Programs of a triton_ar_norm_1b / _ll call: a power of two >= the rows (at most the pad's limit). Each
+    """Programs of a triton_ar_norm_ll call: a power of two >= the rows (at most the pad's limit). Each
     grid size has its own buffer, pads and counters, so the grid of a buffer never changes."""
     return min(triton.next_power_of_2(max(num_rows, 1)), _max_programs(world_size))
 
@@ -318,9 +253,7 @@ def _fixed_grid(num_rows: int, world_size: int) -> int:
 def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, weight_in_fp32: bool,
                                group_name: str, world_size: int, *, protocol: str) -> tuple[Tensor, Tensor]:
     """protocol "two_barriers": `_all_reduce_rms_norm_kernel` (barrier, sum, barrier again before the
-    buffer is reused). "one_barrier": `_all_reduce_rms_norm_1b_kernel`: the data buffer has two halves
-    used on alternate calls, and a barrier passed at call k means every peer finished call k - 1, the
-    last reader of the half call k + 1 overwrites. "lamport": `_all_reduce_rms_norm_ll_kernel`, no
+    buffer is reused). "lamport": `_all_reduce_rms_norm_ll_kernel`, no
     barrier: each rank stores its rows into every peer's buffer, which holds a sentinel (-0.0) wherever
     no data is due; a reader spins until none of its elements is the sentinel, then writes the
     sentinel back. Three slots used in turn: a peer can be at most one call ahead, and a slot's next
@@ -349,22 +282,16 @@ def _fused_all_reduce_rms_norm(x: Tensor, residual: Tensor | None, weight: Tenso
             *tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, num_rows, eps, timeout_ms, RANK=handle.rank, **meta)
         return y, h
     grid = _fixed_grid(num_rows, world_size)
-    num_slots = 2 if protocol == "one_barrier" else 3 * world_size
-    buf = symm_buffers.reserve(group_name, num_slots * x.numel(), x.dtype, x.device, tag=f"ar_norm_{protocol}_{grid}")
+    buf = symm_buffers.reserve(group_name, 3 * world_size * x.numel(), x.dtype, x.device, tag=f"ar_norm_{protocol}_{grid}")
     handle = symm_buffers.handle(buf)
     bits, sentinel = _SENTINEL[x.element_size()]
     calls = _CALLS.get(id(buf))
     if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
         calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
-        if protocol == "lamport":  # every element the sentinel on every rank before any peer stores data
-            buf.view(bits).fill_(sentinel)
-            handle.barrier(channel=0, timeout_ms=timeout_ms)
-    if protocol == "one_barrier":
-        _all_reduce_rms_norm_1b_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, calls, num_rows,
-                                                buf.numel() // 2, eps, timeout_ms, RANK=handle.rank, **meta)
-    else:
-        _all_reduce_rms_norm_ll_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, calls, num_rows, buf.numel() // 3, eps,
-                                                timeout_ms, RANK=handle.rank, BITS=_TL_BITS[bits], SENTINEL=sentinel, **meta)
+        buf.view(bits).fill_(sentinel)  # every element the sentinel on every rank before any peer stores data
+        handle.barrier(channel=0, timeout_ms=timeout_ms)
+    _all_reduce_rms_norm_ll_kernel[(grid,)](*tensors, handle.buffer_ptrs_dev, calls, num_rows, buf.numel() // 3, eps,
+                                            timeout_ms, RANK=handle.rank, BITS=_TL_BITS[bits], SENTINEL=sentinel, **meta)
     return y, h
 
 
@@ -375,8 +302,6 @@ _TL_BITS = {torch.int16: tl.int16, torch.int32: tl.int32} if triton is not None 
 
 TRITON_AR_NORM = register(Strategy("triton_ar_norm", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="two_barriers"),
                                    available=_available, cudagraph_trees_safe=False))
-# Not measured yet (written when no 2-GPU machine was lent): the calibration table chooses them where they win.
-TRITON_AR_NORM_1B = register(Strategy("triton_ar_norm_1b", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="one_barrier"),
-                                      available=_available, cudagraph_trees_safe=False))
+# Not measured yet (written when no 2-GPU machine was lent): the calibration table chooses it where it wins.
 TRITON_AR_NORM_LL = register(Strategy("triton_ar_norm_ll", all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="lamport"),
                                       available=_available, cudagraph_trees_safe=False))
