@@ -230,12 +230,13 @@ if triton is not None:
                     # each element arrives on its own: spin until none is the sentinel any more.
                     # state: 1 while some element is the sentinel, 3 once one still is after the timeout
                     state = tl.max((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=0)
-                    start = _globaltimer(cols)
-                    while state == 1:
-                        got = tl.load(src, mask=mask, other=0.0, volatile=True)
-                        late = ((_globaltimer(cols) - start) > timeout_ns).to(tl.int32)
-                        state = tl.max((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32) * (1 + 2 * late), axis=0)
-                    _stop_if_late(state // 2, pid, RANK)
+                    if state == 1:  # uniform; the clock is read only when the data is not there yet
+                        start = _globaltimer(cols)
+                        while state == 1:
+                            got = tl.load(src, mask=mask, other=0.0, volatile=True)
+                            late = ((_globaltimer(cols) - start) > timeout_ns).to(tl.int32)
+                            state = tl.max((got.to(BITS, bitcast=True) == SENTINEL).to(tl.int32) * (1 + 2 * late), axis=0)
+                        _stop_if_late(state // 2, pid, RANK)
                     s += got.to(tl.float32)
                     tl.store(src, sentinel, mask=mask)  # ready for call epoch + 3
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
