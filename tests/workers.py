@@ -576,8 +576,43 @@ def dtensor_model_outputs(ctx, shapes, compile_kwargs):
         return {"eager": eager}
     compiled = tpweave.compile(model, **compile_kwargs)
     rep = tpweave.report(compiled)
-    return {"eager": eager, "compiled": [compiled(ids) for ids in inputs], "num_compiles": rep.num_compiles,
+    # every other call by keyword: M comes from keyword arguments too
+    outs = [compiled(ids) if i % 2 else compiled(ids_BS=ids) for i, ids in enumerate(inputs)]
+    return {"eager": eager, "compiled": outs, "num_compiles": rep.num_compiles,
             "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs]}
+
+
+@torch.no_grad()
+def hf_model_outputs(ctx, arch, shapes):
+    """A Hugging Face transformers model (tiny config, random weights) sharded with torch's
+    parallelize_module and the usual TP plan, called like HF models are (keyword arguments): logits of
+    the unsharded model, of the tpweave-compiled TP model (SP forced), and the compile report."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import tpweave
+
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[arch]
+    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                        attn_implementation="sdpa" if arch == "llama" else "eager")  # Gemma-2's soft-capping: no SDPA
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    inputs = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape))) for shape in shapes]
+    want = [model(input_ids=ids).logits for ids in inputs]
+    plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+             "mlp.down_proj": RowwiseParallel()}
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    compiled = tpweave.compile(model, sp_min_tokens=0)
+    got = [compiled(input_ids=ids).logits for ids in inputs]
+    rep = tpweave.report(compiled)
+    return {"want": want, "got": got, "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
+            "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes]}
 
 
 @torch.no_grad()

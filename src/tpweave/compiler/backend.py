@@ -165,7 +165,8 @@ def _describe(e: Exception) -> str:
 
 
 def default_num_tokens(args: tuple) -> int:
-    """M: elements of the first integer tensor argument (token ids), else rows of the first tensor."""
+    """M: elements of the first integer tensor argument (token ids), else rows of the first tensor.
+    `args`: the positional arguments, then the keyword arguments' values in the order given."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     for t in tensors:
         if not t.is_floating_point() and t.dim() >= 1:
@@ -212,15 +213,28 @@ class CompiledTP:
         return {chosen_name(opts.policy_string(policy), num_tokens) for policy in policies}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        num_tokens = self.num_tokens_fn(args)
+        # keyword arguments (HF style: model(input_ids=..., attention_mask=...)) after the positional ones
+        inputs = args + tuple(kwargs.values())
+        num_tokens = self.num_tokens_fn(inputs)
         if num_tokens < 1:
             raise ValueError(f"empty batch: {num_tokens} tokens")
         variant = self.variant_for(num_tokens)
         self.calls[variant] += 1
-        _mark_dynamic(args)
+        _mark_dynamic(inputs)
         with token_dynamic_config():
-            out = self.variants[variant](*args, **kwargs)
-        if self.calls[variant] == 1 and not any(g.variant == variant for g in self.compile_report.graphs):
+            try:
+                out = self.variants[variant](*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
+                # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
+                msg = (f"[{variant}] torch.compile failed to trace this model ({_describe(e)}): it runs eagerly, "
+                       "without tpweave's passes")
+                logger.warning(msg)
+                self.compile_report.notes.append(msg)
+                self.variants[variant] = self.module
+                out = self.module(*args, **kwargs)
+        traced_nothing = self.variants[variant] is not self.module and not any(g.variant == variant for g in self.compile_report.graphs)
+        if self.calls[variant] == 1 and traced_nothing:
             msg = (f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, without tpweave's passes "
                    "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
                    "work.wait(): use the blocking call or torch.distributed._functional_collectives)")
