@@ -58,71 +58,49 @@ if triton is not None:
     # The spin loops below run in threads tid < num_active only (thread r holds element r of a WORLD-vector;
     # the other threads hold replicas and must not signal twice): a guard inside the asm, not a Triton
     # `if`, so no value is carried out of a divergent region. They write their result ($0) last: an
-    # output may share a register with an input.
+    # output may share a register with an input. Operands: $1 slot address, $2 timeout (ns), $3 num_active.
+    def _cas_spin_asm(order: str, expected: int, desired: int) -> tl.constexpr:
+        """Spin until the slot holds `expected`, swap in `desired` (system scope, `order`); $0: 0, or 1
+        when the slot did not hold `expected` within the timeout (a peer that never came)."""
+        return tl.constexpr(f"""
+            {{
+            .reg .u32 %seen, %me;
+            .reg .pred %p<3>;
+            .reg .u64 %t<2>;
+            mov.u32 %me, %tid.x;
+            setp.ge.u32 %p2, %me, $3;
+            @%p2 bra cas_ok;
+            mov.u64 %t0, %globaltimer;
+            cas_spin:
+                atom.global.{order}.sys.cas.b32 %seen, [$1], {expected}, {desired};
+                setp.eq.u32 %p0, %seen, {expected};
+                @%p0 bra cas_ok;
+                mov.u64 %t1, %globaltimer;
+                sub.u64 %t1, %t1, %t0;
+                setp.lt.u64 %p1, %t1, $2;
+                @%p1 bra cas_spin;
+                mov.u32 $0, 1;
+                bra cas_done;
+            cas_ok:
+                mov.u32 $0, 0;
+            cas_done:
+            }}
+            """)
+
+    # send: 0 -> 1 with release (this block's writes are visible first); wait: 1 -> 0 with acquire (the
+    # peer's writes are visible after)
+    _SEND_SIGNAL_ASM = _cas_spin_asm("release", 0, 1)
+    _WAIT_SIGNAL_ASM = _cas_spin_asm("acquire", 1, 0)
 
     @triton.jit
     def _send_signal(addrs, timeout_ns, num_active):
-        # spin until the slot is 0, then set it to 1 (release: this block's writes are visible first).
-        # 0, or 1 when the slot stayed set for timeout_ns (the peer never consumed the last signal)
-        return tl.inline_asm_elementwise(
-            """
-            {
-            .reg .u32 %tmp32_<1>, %me;
-            .reg .pred %p<3>;
-            .reg .u64 %t<2>;
-            mov.u32 %me, %tid.x;
-            setp.ge.u32 %p2, %me, $3;
-            @%p2 bra send_ok;
-            mov.u64 %t0, %globaltimer;
-            send_signal:
-                atom.global.release.sys.cas.b32 %tmp32_0, [$1], 0, 1;
-                setp.eq.u32 %p0, %tmp32_0, 0;
-                @%p0 bra send_ok;
-                mov.u64 %t1, %globaltimer;
-                sub.u64 %t1, %t1, %t0;
-                setp.lt.u64 %p1, %t1, $2;
-                @%p1 bra send_signal;
-                mov.u32 $0, 1;
-                bra send_done;
-            send_ok:
-                mov.u32 $0, 0;
-            send_done:
-            }
-            """,
-            "=r, l, l, r", [addrs, timeout_ns, num_active], dtype=tl.int32, is_pure=False, pack=1,
-        )
+        return tl.inline_asm_elementwise(_SEND_SIGNAL_ASM, "=r, l, l, r", [addrs, timeout_ns, num_active],
+                                         dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _wait_signal(addrs, timeout_ns, num_active):
-        # spin until the peer set the slot to 1, reset it to 0 (acquire: the peer's writes are visible after).
-        # 0, or 1 when no signal came within timeout_ns
-        return tl.inline_asm_elementwise(
-            """
-            {
-            .reg .u32 %tmp32_<1>, %me;
-            .reg .pred %p<3>;
-            .reg .u64 %t<2>;
-            mov.u32 %me, %tid.x;
-            setp.ge.u32 %p2, %me, $3;
-            @%p2 bra wait_ok;
-            mov.u64 %t0, %globaltimer;
-            wait_signal:
-                atom.global.sys.acquire.cas.b32 %tmp32_0, [$1], 1, 0;
-                setp.eq.u32 %p0, %tmp32_0, 1;
-                @%p0 bra wait_ok;
-                mov.u64 %t1, %globaltimer;
-                sub.u64 %t1, %t1, %t0;
-                setp.lt.u64 %p1, %t1, $2;
-                @%p1 bra wait_signal;
-                mov.u32 $0, 1;
-                bra wait_done;
-            wait_ok:
-                mov.u32 $0, 0;
-            wait_done:
-            }
-            """,
-            "=r, l, l, r", [addrs, timeout_ns, num_active], dtype=tl.int32, is_pure=False, pack=1,
-        )
+        return tl.inline_asm_elementwise(_WAIT_SIGNAL_ASM, "=r, l, l, r", [addrs, timeout_ns, num_active],
+                                         dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _pause():
