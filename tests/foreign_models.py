@@ -176,3 +176,46 @@ class MatmulMLPModel(nn.Module):
             dist.all_reduce(y)
             x = x + y
         return F.rms_norm(x, (HIDDEN,), self.norm_w[LAYERS], 1e-6) @ self.head.t()
+
+
+class MoEModel(nn.Module):
+    """Mixtral / Qwen-MoE blocks written as Hugging Face writes them: activations flattened with
+    view(-1, hidden) (under dynamic shapes the -1 is a symbolic token count), a replicated router, top-2
+    of 4 experts whose MLPs are TP-sharded (gate / up by columns, down by rows), tokens sorted by expert
+    as a dispatch would, one all-reduce of the weighted expert sum. Each token also mixes in its
+    predecessor in its sequence (an RWKV / Mamba token shift), an op that reads every token."""
+
+    def __init__(self, rank: int, world: int, *, seed: int = 0, num_experts: int = 4):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        inter = slice(rank * INTER // world, (rank + 1) * INTER // world)
+        param = lambda t: nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
+        self.num_experts = num_experts
+        self.embed = param(torch.randn(VOCAB, HIDDEN, generator=gen))
+        self.norm_w = param(1 + 0.1 * torch.randn(LAYERS + 1, HIDDEN, generator=gen))
+        self.router = param(_full(gen, LAYERS, num_experts, HIDDEN))
+        self.w_gate = param(_full(gen, LAYERS, num_experts, INTER, HIDDEN)[:, :, inter])
+        self.w_up = param(_full(gen, LAYERS, num_experts, INTER, HIDDEN)[:, :, inter])
+        self.w_down = param(_full(gen, LAYERS, num_experts, HIDDEN, INTER)[..., inter])
+        self.head = param(_full(gen, VOCAB, HIDDEN))
+
+    def forward(self, ids_BS):
+        b, s = ids_BS.shape
+        x = F.embedding(ids_BS, self.embed)
+        for i in range(LAYERS):
+            h_BSH = F.rms_norm(x, (HIDDEN,), self.norm_w[i], 1e-6)
+            prev_BSH = F.pad(h_BSH, (0, 0, 1, 0))[:, :-1]  # each token's predecessor in its sequence (zeros first)
+            h = h_BSH.view(-1, HIDDEN)
+            probs = (h @ self.router[i].t()).softmax(-1)
+            top_w, top_e = probs.topk(2, dim=-1)
+            combine = torch.zeros_like(probs).scatter(-1, top_e, top_w / top_w.sum(-1, keepdim=True))
+            order = top_e[:, 0].argsort(stable=True)
+            h_in = h[order] + 0.5 * prev_BSH.reshape(-1, HIDDEN)[order]
+            y = 0
+            for e in range(self.num_experts):
+                act = F.silu(h_in @ self.w_gate[i, e].t()) * (h_in @ self.w_up[i, e].t())
+                y = y + combine[order, e : e + 1] * (act @ self.w_down[i, e].t())
+            y = y[order.argsort()]
+            dist.all_reduce(y)
+            x = x + y.view(b, s, HIDDEN)
+        return F.rms_norm(x, (HIDDEN,), self.norm_w[LAYERS], 1e-6) @ self.head.t()

@@ -71,6 +71,10 @@ class StyleModel(nn.Module):
         elif self.style == "row_bias":  # GPT-2 / OPT: pre-LayerNorm, bias added once after the reduction, scaled residual
             for j in range(2):
                 x = 0.5 * x + (self._mlp(self._norm(x, j), j) + self.b_out[j])
+        elif self.style == "graph_break":  # not in STYLES: Dynamo compiles two graphs (as at HF's SDPA call)
+            x = x + self._mlp(self._norm(x, 0), 0)
+            torch._dynamo.graph_break()
+            x = x + self._mlp(self._norm(x, 1), 1)
         else:
             for j in range(2):
                 x = x + self._mlp(self._norm(x, j), j)

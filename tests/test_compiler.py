@@ -93,6 +93,31 @@ def test_unknown_op_gathers_first_and_still_matches(foreign_reference):
     assert any(s[0] == "all_gather" and "unknown op aten::cumsum" in s[2] for s in sites)
 
 
+def test_moe_model_with_flattened_tokens_and_a_token_shift():
+    """Mixtral-style MoE blocks (view(-1, hidden) with a symbolic -1, replicated router, sharded experts,
+    sort by expert) with a token shift over each sequence: the flattening view stays sequence-parallel
+    (it used to gather first), the shift gathers (batch, seq) tokens, the router's matmul gathers through
+    the same all-gather. Numbers equal eager TP and TP=1."""
+    reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, model_name="MoEModel", nprocs=1)[0]["eager"]
+    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, model_name="MoEModel", nprocs=2)
+    _check_foreign(results, reference)
+    variant, before, after, sites, notes = results[0]["graphs"][0]
+    assert before == {"all_reduce": 2} and "all_reduce" not in after, results[0]["report"]
+    assert not any("passes failed" in n or "view with" in n for n in notes), notes
+    assert any("unknown op aten::constant_pad_nd" in n for n in notes), notes
+    fused = [s for s in sites if s[0] == "all_gather+matmul"]
+    assert len(fused) == 2, results[0]["report"]  # layer 2's router (its gather shared with the shift) and the head
+
+
+def test_fused_gather_matmul_keeps_earlier_readers_in_order():
+    """An op that reads the gathered tokens before their matmul (as a kept view does, Hugging Face's
+    Mixtral before the view rule) moves after the fused ag_mm that now provides them; same numbers."""
+    for before, after, ops in tpweave.launch(workers.gather_read_before_its_matmul, nprocs=2):
+        assert ops.index("tpweave.ag_mm.default") < ops.index("aten.roll.default") and "aten.mm.default" not in ops, ops
+        for got, want in zip(after, before):
+            torch.testing.assert_close(got, want)
+
+
 def test_average_all_reduce_is_left_alone():
     shapes = FOREIGN_SHAPES[:3]
     results = tpweave.launch(workers.foreign_model_outputs, shapes, {"sp_min_tokens": 0}, reduce_op="avg", nprocs=2)
@@ -359,3 +384,23 @@ def test_reduce_scatter_norm_fusion_across_styles():
                     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)
         # post-norm LayerNorm: no RMSNorm; parallel residual: its one reduce-scatter sums two matmuls (no mm_rs)
         assert num_fused == {"postnorm": 0, "parallel": 0, "gemma": 2, "fused_residual": 2, "funcol": 2, "row_bias": 0}
+
+
+def test_graph_breaks_and_recompile_limit_are_reported():
+    """What Dynamo does quietly is said in the report: a forward split by a graph break (each graph
+    rewritten on its own, numbers unchanged), and a recompile limit reached (tpweave's two variants
+    share one code object's limit, so it is scaled by them; past it the model runs eagerly, correctly)."""
+    counts = [1, 5, 33]
+    for rank_out in tpweave.launch(workers.reported_dynamo_limits, counts, nprocs=2):
+        for name, (outs, notes, num_compiles, after) in rank_out.items():
+            for got, want in outs:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        _, notes, num_compiles, after = rank_out["graph_break"]
+        assert num_compiles == 4 and sorted(v for v, _ in after) == ["plain"] * 2 + ["sp"] * 2, after  # two graphs per variant
+        assert all("all_reduce" not in a and a.get("mm_rs") == 1 for v, a in after if v == "sp"), after
+        assert sum("Dynamo split the forward into 2 graphs" in n for n in notes) == 2, notes  # sp and plain
+        assert not any("recompile limit" in n for n in notes), notes
+        _, notes, num_compiles, _ = rank_out["prenorm"]
+        assert num_compiles == 2 and notes == [], notes
+        _, notes, num_compiles, _ = rank_out["gemma"]
+        assert num_compiles == 0 and any("recompile limit" in n and "'forward'" in n for n in notes), notes

@@ -292,6 +292,28 @@ def style_outputs(ctx, styles, token_counts, compile_model=True, compile_kwargs=
     return results
 
 
+@torch.no_grad()
+def reported_dynamo_limits(ctx, token_counts):
+    """A model with a graph break, then Dynamo's recompile limit (set to 1 here) shared by three models
+    of one class: {name: ([(compiled, eager) outputs], notes, num_compiles)}."""
+    import tpweave
+    from style_models import V, StyleModel
+
+    inputs = [torch.randint(0, V, (m,), generator=torch.Generator().manual_seed(m)) for m in token_counts]
+    results = {}
+    for name, style, limit in (("graph_break", "graph_break", None), ("prenorm", "prenorm", 1), ("gemma", "gemma", 1)):
+        if name == "prenorm":
+            torch._dynamo.reset()  # the graph-break model's entries would count against the limit below
+        with torch._dynamo.config.patch(recompile_limit=limit or torch._dynamo.config.recompile_limit):
+            # both variants of "prenorm" fit (tpweave scales the limit by its variants); "gemma"'s are too many
+            model = StyleModel(ctx.rank, ctx.world_size, style)
+            compiled = tpweave.compile(model, sp_min_tokens=4)
+            outs = [(compiled(ids), model(ids)) for ids in inputs]
+        rep = tpweave.report(compiled)
+        results[name] = (outs, list(rep.notes), rep.num_compiles, [(g.variant, g.counts_after) for g in rep.graphs])
+    return results
+
+
 def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0):
     import tpweave
     from tpweave.engine import LLMEngine, SamplingParams
@@ -633,3 +655,35 @@ def tp_subgroup_outputs(ctx, token_counts, tp):
         batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
         outs.append((compiled(*batch.args()), model(*batch.args())))
     return outs, tpweave.report(compiled).graphs[0].counts_after
+
+
+@torch.no_grad()
+def gather_read_before_its_matmul(ctx):
+    """A post-grad-like graph where an op reads the gathered tokens before the matmul that also reads
+    them: fuse_all_gather_matmuls must keep the graph in order. (original, fused) outputs and op order."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tpweave  # noqa: F401  (registers tpweave ops)
+    from tpweave.compiler.async_tp import fuse_all_gather_matmuls
+    from tpweave.compiler.report import GraphReport
+
+    group_name = torch.distributed.group.WORLD.group_name
+    x_local, w = torch.randn(5, 8, generator=torch.Generator().manual_seed(ctx.rank)), torch.randn(8, 6)
+    num_tokens = torch.tensor([5]).repeat(ctx.world_size).sum().item()
+    graph = fx.Graph()
+    with FakeTensorMode() as fake:
+        a, b = graph.placeholder("x_local"), graph.placeholder("w")
+        a.meta["val"], b.meta["val"] = fake.from_tensor(x_local), fake.from_tensor(w)
+        ag = graph.call_function(torch.ops.tpweave.all_gather_tokens.default, (a, [num_tokens], group_name, ctx.world_size))
+        ag.meta["val"] = torch.ops.tpweave.all_gather_tokens.default(a.meta["val"], [num_tokens], group_name, ctx.world_size)
+        shifted = graph.call_function(torch.ops.aten.roll.default, (ag, [1], [0]))  # reads every token, before the mm
+        shifted.meta["val"] = torch.roll(ag.meta["val"], 1, 0)
+        mm = graph.call_function(torch.ops.aten.mm.default, (ag, b))
+        mm.meta["val"] = ag.meta["val"] @ b.meta["val"]
+        graph.output((shifted, mm))
+    before = fx.GraphModule(torch.nn.Module(), graph)(x_local, w)
+    fuse_all_gather_matmuls(graph, policy_for=lambda *_: "sequential", report=GraphReport("sp"))
+    graph.lint()
+    after = fx.GraphModule(torch.nn.Module(), graph)(x_local, w)
+    return before, after, [str(n.target) for n in graph.nodes if n.op == "call_function"]

@@ -46,6 +46,29 @@ def _hoist(weight: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> bool:
     return True
 
 
+def _readers_between(gathered: list[fx.Node], stop: fx.Node) -> list[fx.Node]:
+    """Nodes after the gathers and before `stop` that read them, directly or not: kept readers (a view a
+    non-matmul also reads) must move after the fused op, whose outputs replace the gathers."""
+    found, tainted = [], set(gathered)
+    node = min(gathered, key=lambda g: list(g.graph.nodes).index(g)).next
+    while node is not stop:
+        if tainted & set(node.all_input_nodes):
+            found.append(node)
+            tainted.add(node)
+        node = node.next
+    return found
+
+
+def _sink(nodes: list[fx.Node], *, after: fx.Node, erased: set[fx.Node]) -> None:
+    """Move `nodes` (in their order) after `after` and the getitems that directly follow it."""
+    while after.next.target is operator.getitem and after.next.args[0] is after.args[0]:
+        after = after.next
+    for n in nodes:
+        if n not in erased:
+            after.append(n)
+            after = n
+
+
 def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
     edit = GraphEditor(graph)
     for ag in [n for n in graph.nodes if n.target is tpw.all_gather_tokens.default]:
@@ -64,17 +87,21 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
         policy = policy_for("ag_mm", int(val(x_local).shape[-1]), sum(int(val(u[1]).shape[1]) for u in users))
         args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy, True)
         fused = edit.insert(tpw.ag_mm.default, args, before=first)
+        readers = _readers_between([ag], fused)
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users) + 1)]
         for i, o in enumerate(outs):
             o.meta["val"] = val(fused)[i]
+        erased = set()
         for i, (mm, _, _, view) in enumerate(users, start=1):
             mm.replace_all_uses_with(outs[i])
             graph.erase_node(mm)
             if view is not None and not view.users:
                 graph.erase_node(view)
+                erased.add(view)
         ag.replace_all_uses_with(outs[0])
         graph.erase_node(ag)
+        _sink(readers, after=outs[0], erased=erased)
         if not outs[0].users:
             fused.update_arg(len(args) - 1, False)  # need_gathered: nothing reads A
         for o in outs:
@@ -106,6 +133,7 @@ def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str
         args = (ag_x.args[0], ag_s.args[0], [mm.args[1] for mm in mms], [mm.args[3] for mm in mms], [mm.args[4] for mm in mms],
                 token_sizes, group_name, world_size, mms[0].args[5], policy, True)
         fused = edit.insert(tpw.ag_scaled_mm.default, args, before=first)
+        readers = _readers_between([ag_x, ag_s], fused)
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(mms) + 2)]
         for i, o in enumerate(outs):
@@ -116,6 +144,7 @@ def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str
         for g, o in ((ag_x, outs[0]), (ag_s, outs[1])):
             g.replace_all_uses_with(o)
             graph.erase_node(g)
+        _sink(readers, after=outs[0], erased=set())
         if not outs[0].users and not outs[1].users:
             fused.update_arg(len(args) - 1, False)  # need_gathered: nothing reads A or its scales
         for o in outs:

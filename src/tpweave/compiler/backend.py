@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import logging
 from types import MappingProxyType
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -176,6 +177,38 @@ def default_num_tokens(args: tuple) -> int:
     raise ValueError("cannot tell the number of tokens from the arguments: pass num_tokens_fn=")
 
 
+class _RecompileLimitWatch(logging.Filter):
+    """Dynamo says it reached a recompile limit only in a log warning, then runs that code eagerly."""
+
+    LOGGER = "torch._dynamo.convert_frame"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.functions: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "hit config." in record.msg:
+            lines = record.getMessage().splitlines()
+            self.functions += [line.split("function:", 1)[1].strip() for line in lines if "function:" in line] or ["?"]
+        return True
+
+
+@contextlib.contextmanager
+def _dynamo_budget(num_variants: int):
+    """Dynamo's recompile limit counts the cache entries of one code object: tpweave's variants of a
+    module (and every module of the same class in the process) share it, so each variant gets the
+    user's limit times the number of variants. Yields the watch that sees a limit reached."""
+    watch = _RecompileLimitWatch()
+    logger_ = logging.getLogger(_RecompileLimitWatch.LOGGER)
+    limit = torch._dynamo.config.recompile_limit * num_variants
+    logger_.addFilter(watch)
+    try:
+        with token_dynamic_config(), torch._dynamo.config.patch(recompile_limit=limit):
+            yield watch
+    finally:
+        logger_.removeFilter(watch)
+
+
 def _mark_dynamic(args: tuple) -> None:
     """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors."""
     for a in args:
@@ -221,26 +254,38 @@ class CompiledTP:
         variant = self.variant_for(num_tokens)
         self.calls[variant] += 1
         _mark_dynamic(inputs)
-        with token_dynamic_config():
+        num_compiles_before = self.compile_report.num_compiles
+        with _dynamo_budget(len(self.variants)) as watch:
             try:
                 out = self.variants[variant](*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:
                 # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
                 # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
-                msg = (f"[{variant}] torch.compile failed to trace this model ({_describe(e)}): it runs eagerly, "
-                       "without tpweave's passes")
-                logger.warning(msg)
-                self.compile_report.notes.append(msg)
+                self._note(f"[{variant}] torch.compile failed to trace this model ({_describe(e)}): it runs eagerly, "
+                           "without tpweave's passes")
                 self.variants[variant] = self.module
                 out = self.module(*args, **kwargs)
-        traced_nothing = self.variants[variant] is not self.module and not any(g.variant == variant for g in self.compile_report.graphs)
-        if self.calls[variant] == 1 and traced_nothing:
-            msg = (f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, without tpweave's passes "
-                   "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
-                   "work.wait(): use the blocking call or torch.distributed._functional_collectives)")
+        compiled_now = self.compile_report.num_compiles - num_compiles_before
+        for function in watch.functions:
+            self._note(f"Dynamo reached its recompile limit (torch._dynamo.config.recompile_limit x {len(self.variants)} tpweave "
+                       f"graph variants) in {function}: inputs needing a new graph there run eagerly, without tpweave's "
+                       "passes (raise the limit; TORCH_LOGS=recompiles says what each graph specialized on)")
+            self.compile_report.recompile_limit_hit_in.append(function)
+        if self.calls[variant] == 1 and self.variants[variant] is not self.module:
+            if not any(g.variant == variant for g in self.compile_report.graphs) and not self.compile_report.recompile_limit_hit_in:
+                self._note(f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, without tpweave's passes "
+                           "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
+                           "work.wait(): use the blocking call or torch.distributed._functional_collectives)")
+            elif compiled_now > 1:
+                self._note(f"[{variant}] Dynamo split the forward into {compiled_now} graphs (graph breaks; TORCH_LOGS=graph_breaks "
+                           "says where): the passes rewrite each graph on its own, and with sequence parallelism every "
+                           "boundary all-gathers the activations")
+        return out
+
+    def _note(self, msg: str) -> None:
+        if msg not in self.compile_report.notes:
             logger.warning(msg)
             self.compile_report.notes.append(msg)
-        return out
 
 
 def compile(

@@ -61,6 +61,7 @@ class CompileReport:
     num_compiles: int = 0
     sp_min_tokens: int | None = None
     notes: list[str] = field(default_factory=list)  # about the whole model, e.g. nothing was compiled
+    recompile_limit_hit_in: list[str] = field(default_factory=list)  # functions Dynamo stopped compiling
 
     def __str__(self) -> str:
         head = f"tpweave report: {self.num_compiles} graph(s) compiled"

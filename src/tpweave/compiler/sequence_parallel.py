@@ -350,19 +350,31 @@ class SequenceParallelPass:
         if j == k and same_sizes(out_shape[:j], in_shape[:k]):
             token_sizes = sh.token_sizes
         else:
-            shape_arg = node.args[1]
-            token_sizes = []
-            for i in range(j):
-                s = shape_arg[i]
-                if isinstance(s, int) and s == -1:
-                    s = out_shape[i]
-                    if not isinstance(s, int):
-                        raise NotTokenWise("view with an inferred symbolic token dim")
-                token_sizes.append(s)
+            token_sizes = list(node.args[1][:j])
+            inferred = [i for i, s in enumerate(token_sizes) if isinstance(s, int) and s == -1]
+            for i in inferred:  # view(-1, H): the -1 is the tokens' count over the other token dims
+                if isinstance(out_shape[i], int):
+                    token_sizes[i] = out_shape[i]
+                else:
+                    others = token_sizes[:i] + token_sizes[i + 1 :]
+                    token_sizes[i] = self._size_op(operator.floordiv, self._size_op(operator.mul, *sh.token_sizes, before=node),
+                                                   self._size_op(operator.mul, 1, *others, before=node), before=node)
         if same_sizes(tuple(feats), tuple(val(sh.local).shape[1:])):
             return Shard(sh.local, token_sizes)  # only the token dims change: the local tensor is the same
         rows = self.edit.size_arg(sh.local, 0, before=node)
         return self._replace(node, (sh.local, [rows, *feats]), token_sizes)
+
+    def _size_op(self, op, first, *rest, before: fx.Node):
+        """op folded over size arguments (ints, SymInt nodes): ints fold here, the rest become sym nodes."""
+        out = first
+        for s in rest:
+            if isinstance(out, int) and isinstance(s, int):
+                out = op(out, s)
+            elif op is operator.mul and isinstance(out, int) and out == 1:
+                out = s
+            elif not (isinstance(s, int) and s == 1):
+                out = self.edit.insert(op, (out, s), before=before)
+        return out
 
 
 def _map_args(args, fn):
