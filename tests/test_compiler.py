@@ -341,6 +341,24 @@ def test_hf_transformers_model_with_torch_tp_plan(arch):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "phi3"])
+def test_hf_model_with_its_own_tp_plan(arch, tmp_path):
+    """Hugging Face models loaded the way their users run TP: a safetensors checkpoint and
+    from_pretrained(tp_plan="auto") (transformers' own sharding hooks, no DTensor). Mixtral: MoE blocks
+    (flattened tokens, router, experts, index_add); Phi-3: packed qkv and gate_up projections. Every
+    all-reduce becomes sequence-parallel, the passes never fall back, logits equal the unsharded model."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it for tp_plan
+    shapes = [(1, 1), (2, 3), (1, 9), (3, 16)]
+    for rank_out in tpweave.launch(workers.hf_tp_plan_outputs, arch, shapes, str(tmp_path / arch), nprocs=2, timeout_s=900):
+        assert not any("failed" in n for n in rank_out["notes"]), rank_out["report"]
+        for variant, before, after in rank_out["graphs"]:
+            assert variant == "sp" and before.get("all_reduce") and "all_reduce" not in after, rank_out["report"]
+            assert after.get("ag_mm") and after.get("mm_rs"), rank_out["report"]
+        for got, want in zip(rank_out["got"], rank_out["want"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 SP_FUSED_NORM = {"sp_min_tokens": 0, "mm_rs_policy": "ce_overlap"}  # on CPU: sequential + the reference add + norm
 
 

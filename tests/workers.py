@@ -687,3 +687,32 @@ def gather_read_before_its_matmul(ctx):
     graph.lint()
     after = fx.GraphModule(torch.nn.Module(), graph)(x_local, w)
     return before, after, [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+@torch.no_grad()
+def hf_tp_plan_outputs(ctx, arch, shapes, path):
+    """A Hugging Face model as its users run TP: a tiny random checkpoint saved with save_pretrained
+    (safetensors), loaded on every rank with transformers' own tensor parallelism (tp_plan="auto"),
+    compiled by tpweave (SP forced). Logits of the unsharded model and the compiled TP one, and the report."""
+    import torch.distributed as dist
+    import transformers
+
+    import tpweave
+
+    if ctx.rank == 0:
+        config = transformers.AutoConfig.for_model(
+            arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, num_local_experts=4,
+            num_experts_per_tok=2)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    dist.barrier()
+    inputs = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape))) for shape in shapes]
+    unsharded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = [unsharded(input_ids=ids).logits for ids in inputs]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    compiled = tpweave.compile(model, sp_min_tokens=0)
+    got = [compiled(input_ids=ids).logits for ids in inputs]
+    rep = tpweave.report(compiled)
+    return {"want": want, "got": got, "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
+            "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes], "report": str(rep)}
