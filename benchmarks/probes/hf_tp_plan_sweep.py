@@ -1,0 +1,79 @@
+"""Which Hugging Face architectures tpweave compiles with SP, as their users run TP.
+
+For each architecture: a tiny random checkpoint (save_pretrained, safetensors), loaded on every rank
+with transformers' own tensor parallelism (from_pretrained(tp_plan="auto")), compiled by tpweave with
+SP forced, called like HF models are (input_ids=...) at several (batch, seq) shapes. Prints, per
+architecture, the max |logit error| of eager TP and of the compiled model against the unsharded one,
+the number of graphs, the collectives before / after the passes, and the report's notes.
+
+    torchrun --nproc_per_node=2 benchmarks/probes/hf_tp_plan_sweep.py llama,mixtral,phi3 /tmp/hf_ckpt
+
+Needs transformers and accelerate; CPU (gloo) is enough. One architecture per process is cleaner:
+Dynamo's recompile limit is shared by every model of one class in a process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+import tpweave
+
+SHAPES = [(1, 1), (2, 3), (3, 16), (1, 33)]
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, moe_intermediate_size=32, num_experts=4,
+            num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64, pad_token_id=0)
+
+
+def tiny_config(arch: str):
+    cfg = CONFIG_MAPPING[arch]()
+    for key, value in TINY.items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[: TINY["num_hidden_layers"]]
+    return cfg
+
+
+@torch.no_grad()
+def check(arch: str, root: str, rank: int) -> dict:
+    path = os.path.join(root, arch)
+    if rank == 0 and not os.path.exists(path):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(path)
+    dist.barrier()
+    inputs = [torch.randint(0, TINY["vocab_size"], s, generator=torch.Generator().manual_seed(sum(s))) for s in SHAPES]
+    unsharded = AutoModelForCausalLM.from_pretrained(path).eval()
+    want = [unsharded(input_ids=ids).logits for ids in inputs]
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    eager = [model(input_ids=ids).logits for ids in inputs]
+    compiled = tpweave.compile(model, sp_min_tokens=0)
+    got = [compiled(input_ids=ids).logits for ids in inputs]
+    rep = tpweave.report(compiled)
+    err = lambda outs: max((o.float() - w).abs().max().item() for o, w in zip(outs, want))  # noqa: E731
+    return {"eager_err": err(eager), "compiled_err": err(got), "num_graphs": rep.num_compiles,
+            "graphs": [(g.counts_before, g.counts_after) for g in rep.graphs],
+            "notes": list(dict.fromkeys(list(rep.notes) + [n for g in rep.graphs for n in g.notes]))}
+
+
+def main() -> None:
+    archs, root = sys.argv[1].split(","), sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for arch in archs:
+        try:
+            result = check(arch, root, rank)
+        except Exception as e:  # noqa: BLE001  (a probe: report and go on)
+            result = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-1500:]}
+        if rank == 0:
+            print(arch, json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
