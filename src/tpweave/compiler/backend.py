@@ -270,7 +270,8 @@ class CompiledTP:
             self._note(f"Dynamo reached its recompile limit (torch._dynamo.config.recompile_limit x {len(self.variants)} tpweave "
                        f"graph variants) in {function}: inputs needing a new graph there run eagerly, without tpweave's "
                        "passes (raise the limit; TORCH_LOGS=recompiles says what each graph specialized on)")
-            self.compile_report.recompile_limit_hit_in.append(function)
+            if function not in self.compile_report.recompile_limit_hit_in:
+                self.compile_report.recompile_limit_hit_in.append(function)
         if self.calls[variant] == 1 and self.variants[variant] is not self.module:
             if not any(g.variant == variant for g in self.compile_report.graphs) and not self.compile_report.recompile_limit_hit_in:
                 self._note(f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, without tpweave's passes "
