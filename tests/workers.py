@@ -604,6 +604,17 @@ def dtensor_model_outputs(ctx, shapes, compile_kwargs):
             "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs]}
 
 
+def _compiled_hf_logits(model, inputs, want) -> dict:
+    """The HF model compiled by tpweave (SP forced), called by keyword: logits against `want`, and the report."""
+    import tpweave
+
+    compiled = tpweave.compile(model, sp_min_tokens=0)
+    got = [compiled(input_ids=ids).logits for ids in inputs]
+    rep = tpweave.report(compiled)
+    return {"want": want, "got": got, "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
+            "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes], "report": str(rep)}
+
+
 @torch.no_grad()
 def hf_model_outputs(ctx, arch, shapes):
     """A Hugging Face transformers model (tiny config, random weights) sharded with torch's
@@ -612,8 +623,6 @@ def hf_model_outputs(ctx, arch, shapes):
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    import tpweave
 
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[arch]
@@ -630,11 +639,7 @@ def hf_model_outputs(ctx, arch, shapes):
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
-    compiled = tpweave.compile(model, sp_min_tokens=0)
-    got = [compiled(input_ids=ids).logits for ids in inputs]
-    rep = tpweave.report(compiled)
-    return {"want": want, "got": got, "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
-            "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes]}
+    return _compiled_hf_logits(model, inputs, want)
 
 
 @torch.no_grad()
@@ -664,24 +669,22 @@ def gather_read_before_its_matmul(ctx):
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import tpweave  # noqa: F401  (registers tpweave ops)
     from tpweave.compiler.async_tp import fuse_all_gather_matmuls
+    from tpweave.compiler.graph_utils import GraphEditor, aten, tpw
     from tpweave.compiler.report import GraphReport
 
-    group_name = torch.distributed.group.WORLD.group_name
+    world, group_name = ctx.world_size, torch.distributed.group.WORLD.group_name
     x_local, w = torch.randn(5, 8, generator=torch.Generator().manual_seed(ctx.rank)), torch.randn(8, 6)
-    num_tokens = torch.tensor([5]).repeat(ctx.world_size).sum().item()
     graph = fx.Graph()
-    with FakeTensorMode() as fake:
-        a, b = graph.placeholder("x_local"), graph.placeholder("w")
-        a.meta["val"], b.meta["val"] = fake.from_tensor(x_local), fake.from_tensor(w)
-        ag = graph.call_function(torch.ops.tpweave.all_gather_tokens.default, (a, [num_tokens], group_name, ctx.world_size))
-        ag.meta["val"] = torch.ops.tpweave.all_gather_tokens.default(a.meta["val"], [num_tokens], group_name, ctx.world_size)
-        shifted = graph.call_function(torch.ops.aten.roll.default, (ag, [1], [0]))  # reads every token, before the mm
-        shifted.meta["val"] = torch.roll(ag.meta["val"], 1, 0)
-        mm = graph.call_function(torch.ops.aten.mm.default, (ag, b))
-        mm.meta["val"] = ag.meta["val"] @ b.meta["val"]
-        graph.output((shifted, mm))
+    fake = FakeTensorMode()
+    a, b = graph.placeholder("x_local"), graph.placeholder("w")
+    a.meta["val"], b.meta["val"] = fake.from_tensor(x_local), fake.from_tensor(w)
+    out = graph.output(())
+    edit = GraphEditor(graph)
+    ag = edit.insert(tpw.all_gather_tokens.default, (a, [5 * world], group_name, world), before=out)
+    shifted = edit.insert(aten.roll.default, (ag, [1], [0]), before=out)  # reads every token, before the mm
+    mm = edit.insert(aten.mm.default, (ag, b), before=out)
+    out.args = ((shifted, mm),)
     before = fx.GraphModule(torch.nn.Module(), graph)(x_local, w)
     fuse_all_gather_matmuls(graph, policy_for=lambda *_: "sequential", report=GraphReport("sp"))
     graph.lint()
@@ -697,8 +700,6 @@ def hf_tp_plan_outputs(ctx, arch, shapes, path):
     import torch.distributed as dist
     import transformers
 
-    import tpweave
-
     if ctx.rank == 0:
         config = transformers.AutoConfig.for_model(
             arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -711,8 +712,4 @@ def hf_tp_plan_outputs(ctx, arch, shapes, path):
     unsharded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     want = [unsharded(input_ids=ids).logits for ids in inputs]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
-    compiled = tpweave.compile(model, sp_min_tokens=0)
-    got = [compiled(input_ids=ids).logits for ids in inputs]
-    rep = tpweave.report(compiled)
-    return {"want": want, "got": got, "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
-            "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes], "report": str(rep)}
+    return _compiled_hf_logits(model, inputs, want)

@@ -46,11 +46,11 @@ def _hoist(weight: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> bool:
     return True
 
 
-def _readers_between(gathered: list[fx.Node], stop: fx.Node) -> list[fx.Node]:
+def _readers_between(gathered: list[fx.Node], stop: fx.Node, order: dict[fx.Node, float]) -> list[fx.Node]:
     """Nodes after the gathers and before `stop` that read them, directly or not: kept readers (a view a
     non-matmul also reads) must move after the fused op, whose outputs replace the gathers."""
     found, tainted = [], set(gathered)
-    node = min(gathered, key=lambda g: list(g.graph.nodes).index(g)).next
+    node = min(gathered, key=order.__getitem__).next
     while node is not stop:
         if tainted & set(node.all_input_nodes):
             found.append(node)
@@ -87,7 +87,7 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
         policy = policy_for("ag_mm", int(val(x_local).shape[-1]), sum(int(val(u[1]).shape[1]) for u in users))
         args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy, True)
         fused = edit.insert(tpw.ag_mm.default, args, before=first)
-        readers = _readers_between([ag], fused)
+        readers = _readers_between([ag], fused, order)
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users) + 1)]
         for i, o in enumerate(outs):
@@ -133,7 +133,7 @@ def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str
         args = (ag_x.args[0], ag_s.args[0], [mm.args[1] for mm in mms], [mm.args[3] for mm in mms], [mm.args[4] for mm in mms],
                 token_sizes, group_name, world_size, mms[0].args[5], policy, True)
         fused = edit.insert(tpw.ag_scaled_mm.default, args, before=first)
-        readers = _readers_between([ag_x, ag_s], fused)
+        readers = _readers_between([ag_x, ag_s], fused, order)
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(mms) + 2)]
         for i, o in enumerate(outs):
