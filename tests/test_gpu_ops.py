@@ -37,11 +37,11 @@ def test_every_strategy_matches_sequential():
 
 def test_fp8_model_compiled_matches_unfused():
     """llama3-8b-fp8 (2 layers): SP + async TP (FP8 gathers, scaled matmuls through torch._scaled_mm)
-    against the eager FP8 model, within FP8 tolerance, one graph for every M."""
+    against the eager FP8 model, within FP8 tolerance; graphs for M = 1 and for every other M."""
     counts = [1, 7, 512, 4096]
     out = tpweave.launch(workers.fp8_outputs, "llama3-8b-fp8", counts, num_layers=2, nprocs=GPU_RANKS, backend="nccl")
     for rank_out in out:
-        assert rank_out["num_compiles"] == 1
+        assert rank_out["num_compiles"] == 2  # M = 1 (static) and every other M
         for m in counts:
             got, want = rank_out[(m, "compiled")], rank_out[(m, "eager")]
             assert (got - want).abs().max().item() <= 0.1 * want.abs().max().item(), m
@@ -51,7 +51,7 @@ def test_piecewise_cudagraphs_after_rewrite():
     counts = [7, 512, 1, 4096]
     out = tpweave.launch(workers.gpu_piecewise, "llama3-8b", counts, nprocs=GPU_RANKS, backend="nccl")
     for rank_out in out:
-        assert rank_out["num_compiles"] == 1
+        assert rank_out["num_compiles"] == 2  # M = 1 (static) and every other M
         assert rank_out["num_partitions"] >= 2  # cut at the attention op of each layer
         for m in counts:
             got, want = rank_out[("piecewise", m)], rank_out[("plain", m)]

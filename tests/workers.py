@@ -283,11 +283,13 @@ def style_outputs(ctx, styles, token_counts, compile_model=True, compile_kwargs=
         eager = [flat(model(ids)) for ids in inputs]
         compiled_out, rep = None, None
         if compile_model:
+            # each style is a model of its own; the styles share StyleModel.forward's recompile limit
+            torch._dynamo.reset()
             compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
             compiled_out = [flat(compiled(ids)) for ids in inputs]
             rep = tpweave.report(compiled)
-            rep = (rep.num_compiles, [(g.counts_before, g.counts_after) for g in rep.graphs], str(rep),
-                   [(s.kind, s.action, s.reason) for g in rep.graphs for s in g.sites])
+            rep = (rep.num_compiles, [(g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites])
+                                      for g in rep.graphs], str(rep), [(s.kind, s.action, s.reason) for g in rep.graphs for s in g.sites])
         results[style] = (eager, compiled_out, rep)
     return results
 

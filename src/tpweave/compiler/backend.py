@@ -1,4 +1,4 @@
-"""`tpweave.compile`: torch.compile with our graph passes, one graph per variant serving every M.
+"""`tpweave.compile`: torch.compile with our graph passes; per variant one graph serves every M >= 2.
 
 Variants: "sp" (sequence parallel + async TP, used for M >= sp_min_tokens) and "plain" (the model's own
 all-reduces). Both are compiled with M dynamic. The passes run as Inductor's post-grad custom pre-pass,
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.fx.experimental._config as fx_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel
@@ -118,42 +117,36 @@ class TPBackend:
         self.report, self.inductor_options = report, inductor_options
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        """Inductor + our passes. If Inductor fails on the graph: again with sizes specialized as usual
-        (not size-oblivious: with a size-1 token dim, e.g. seq = 1 of a (batch, seq, hidden) model
-        after a first graph for seq >= 2, torch 2.13's Inductor fails stride checks on views). If our
-        pass fails, or that retry too: Inductor without our passes; last, the graph uncompiled. Each
-        fallback is a warning and a note in the report: a model never crashes for our sake."""
+        """Inductor + our passes. If our pass or Inductor fails: Inductor without our passes; last, the
+        graph uncompiled. Each fallback is a warning and a note in the report: a model never crashes
+        for our sake."""
         self.report.num_compiles += 1
         graph_report = GraphReport(self.variant)
         self.report.graphs.append(graph_report)
-        for size_oblivious in (True, False):
-            graph_report.sites.clear()
-            tp_pass = TPWeavePass(self.sp_cfg, self.options, graph_report)
-            try:
-                return self._compile(gm, example_inputs, tp_pass, size_oblivious=size_oblivious)
-            except Exception as e:  # noqa: BLE001  (any failure: fall back, never crash)
-                if tp_pass.error is not None:
-                    self._note(graph_report, f"passes failed ({_describe(tp_pass.error)}); compiled without them")
-                    break
-                then = "retrying with sizes specialized" if size_oblivious else "compiling without our passes"
-                self._note(graph_report, f"Inductor failed ({_describe(e)}); {then}")
+        tp_pass = TPWeavePass(self.sp_cfg, self.options, graph_report)
+        try:
+            return self._compile(gm, example_inputs, tp_pass)
+        except Exception as e:  # noqa: BLE001  (any failure: fall back, never crash)
+            if tp_pass.error is not None:
+                self._note(graph_report, f"passes failed ({_describe(tp_pass.error)}); compiled without them")
+            else:
+                self._note(graph_report, f"Inductor failed ({_describe(e)}); compiling without our passes")
         graph_report.sites.clear()
         graph_report.counts_after = dict(graph_report.counts_before)  # the graph keeps its own collectives
         try:
-            return self._compile(gm, example_inputs, None, size_oblivious=False)
+            return self._compile(gm, example_inputs, None)
         except Exception as e:  # noqa: BLE001
             self._note(graph_report, f"Inductor failed without our passes too ({_describe(e)}); running this graph uncompiled")
             return gm.forward
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, tp_pass: TPWeavePass | None, *, size_oblivious: bool) -> Callable:
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, tp_pass: TPWeavePass | None) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(self.inductor_options)
         if tp_pass is not None:
             # The report is written by the pass: a cache hit would skip it, so compile for real.
             patches |= {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
-        sizes = contextlib.nullcontext() if size_oblivious else fx_config.patch(backed_size_oblivious=False)
-        with torch._functorch.config.patch(enable_autograd_cache=False), sizes:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _note(self, graph_report: GraphReport, msg: str) -> None:
