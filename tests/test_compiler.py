@@ -314,7 +314,8 @@ def test_dtensor_parallelized_model():
     shapes = [(1, 1), (2, 3), (1, 7), (3, 16)]
     ref = tpweave.launch(workers.dtensor_model_outputs, shapes, {}, nprocs=1)[0]["eager"]
     for rank_out in tpweave.launch(workers.dtensor_model_outputs, shapes, {"sp_min_tokens": 0}, nprocs=2):
-        assert 1 <= rank_out["num_compiles"] <= 3, rank_out["graphs"]  # (B, S); batch = 1; batch = seq = 1
+        # (1, 1); (1, 7); (2, 3) and (3, 16) apart: DTensor's view sharding guards batch % TP == 0
+        assert 1 <= rank_out["num_compiles"] <= 4, rank_out["graphs"]
         for variant, before, after in rank_out["graphs"]:
             assert variant == "sp" and before.get("all_reduce") == 2 and "all_reduce" not in after
             assert after.get("mm_rs") == 2 and after.get("ag_mm") == 2  # down_proj; gate + up share one gather
