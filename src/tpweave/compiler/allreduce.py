@@ -34,8 +34,8 @@ def route_all_reduces(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[s
 
 def _flatten_tokens(edit: GraphEditor, wait: fx.Node, ar: fx.Node) -> bool:
     """all_reduce(x_BSH) -> all_reduce(x.reshape(-1, H)).view(B, S, H). Lowering Inductor's all-reduce
-    of a 3-D view makes it guard seq >= 2 (a second graph for seq == 1, which torch 2.13 then fails to
-    lower); on the (tokens, H) matrix there is nothing to guard. False (graph unchanged) for 2-D inputs."""
+    of a 3-D view makes it guard on the view's sizes (seq >= 2: more graphs); on the (tokens, H) matrix
+    there is nothing to guard. False (graph unchanged) for 2-D inputs."""
     x = ar.args[0]
     if not (isinstance(val(x), torch.Tensor) and val(x).dim() >= 3):
         return False
