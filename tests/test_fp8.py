@@ -56,13 +56,14 @@ def test_fp8_tp_matches_single_rank_and_gathers_fp8(tp, fp8_reference):
             assert _rel(out[(m, "eager")], want) < 0.1, m
             assert _rel(out[(m, "compiled")], out[(m, "eager")]) < 0.1, m
         gathers = [s for s in out["sites"] if s[0] == "all_gather" and s[1] == "inserted" and "scaled_mm" in s[2]]
-        # each quantized column-parallel input (qkv, gate_up per layer) is gathered as FP8 + its per-token scale
-        cfg = get_preset("tiny-fp8")
-        assert sorted(s[3] for s in gathers) == sorted(["float8_e4m3fn", "float32"] * 2 * cfg.num_layers)
+        # in every graph, each quantized column-parallel input (qkv, gate_up per layer) is gathered as FP8 +
+        # its per-token scale (sites of all graphs, so times the number of graphs)
+        cfg, num_graphs = get_preset("tiny-fp8"), out["num_compiles"]
+        assert sorted(s[3] for s in gathers) == sorted(["float8_e4m3fn", "float32"] * 2 * cfg.num_layers * num_graphs)
         # async TP: each FP8 gather pair + its scaled matmul, and each scaled matmul + reduce-scatter, fused
         fused = [s[2].split(",")[0] for s in out["sites"] if s[1] == "fused"]
-        assert sum(f.startswith("tpweave::ag_scaled_mm") for f in fused) == 2 * cfg.num_layers
-        assert sum(f.startswith("tpweave::scaled_mm_rs") for f in fused) == 2 * cfg.num_layers
+        assert sum(f.startswith("tpweave::ag_scaled_mm") for f in fused) == 2 * cfg.num_layers * num_graphs
+        assert sum(f.startswith("tpweave::scaled_mm_rs") for f in fused) == 2 * cfg.num_layers * num_graphs
 
 
 def test_fp8_halves_the_all_gathered_bytes():
