@@ -176,4 +176,4 @@ def test_demo_command(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "all 2 ranks agree on the output: True" in out
-    assert "within 0.001" in out and "compiled graphs: 1" in out
+    assert "within 0.001" in out and "compiled graphs: 2 " in out
