@@ -29,7 +29,8 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, moe_intermediate_size=32, num_experts=4,
             num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64, pad_token_id=0,
             n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            rotary_dim=8)
 
 
 # architectures whose layer pattern comes from periods, not from a per-layer list
@@ -42,17 +43,19 @@ def tiny_config(arch: str):
     distinct kind, so hybrid models keep both their attention and their linear-attention / SSM layers."""
     default = CONFIG_MAPPING[arch]()
     fields = default.to_dict()
-    kwargs = {key: value for key, value in TINY.items() if key in fields}
+    # attribute_map: configs like gptj's name the fields n_embd, n_layer, ... (hidden_size is an alias)
+    names = {key: default.attribute_map.get(key, key) for key in TINY}
+    kwargs = {names[key]: value for key, value in TINY.items() if names[key] in fields}
     num_layers = default.num_hidden_layers
     per_layer = {k: v for k, v in fields.items() if isinstance(v, list) and len(v) == num_layers and k.endswith("types")}
     if per_layer:
         kinds = list(zip(*per_layer.values()))
         keep = sorted({kinds.index(kind) for kind in kinds})
         keep = keep if len(keep) >= 2 else list(range(min(2, num_layers)))
-        kwargs |= {k: [v[i] for i in keep] for k, v in per_layer.items()} | {"num_hidden_layers": len(keep)}
+        kwargs |= {k: [v[i] for i in keep] for k, v in per_layer.items()} | {names["num_hidden_layers"]: len(keep)}
     kwargs |= PATTERN.get(arch, {})
     if "qk_rope_head_dim" in fields:  # MLA: the rotary part is the head_dim the rotary embedding sees
-        kwargs["head_dim"] = TINY["qk_rope_head_dim"]
+        kwargs[names["head_dim"]] = TINY["qk_rope_head_dim"]
     return CONFIG_MAPPING[arch](**kwargs)
 
 
