@@ -60,17 +60,20 @@ def tiny_config(arch: str):
 
 
 @torch.no_grad()
-def check(arch: str, root: str, rank: int) -> dict:
+def check(arch: str, root: str, rank: int, stage: list[str]) -> dict:
     path = os.path.join(root, arch)
     if rank == 0 and not os.path.exists(path):
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(path)
     dist.barrier()
     inputs = [torch.randint(0, TINY["vocab_size"], s, generator=torch.Generator().manual_seed(sum(s))) for s in SHAPES]
+    stage[0] = "unsharded"
     unsharded = AutoModelForCausalLM.from_pretrained(path).eval()
     want = [unsharded(input_ids=ids).logits for ids in inputs]
+    stage[0] = "eager TP"
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
     eager = [model(input_ids=ids).logits for ids in inputs]
+    stage[0] = "tpweave"
     compiled = tpweave.compile(model, sp_min_tokens=0)
     got = [compiled(input_ids=ids).logits for ids in inputs]
     rep = tpweave.report(compiled)
@@ -85,10 +88,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for arch in archs:
+        stage = ["building"]
         try:
-            result = check(arch, root, rank)
+            result = check(arch, root, rank, stage)
         except Exception as e:  # noqa: BLE001  (a probe: report and go on)
-            result = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-1500:]}
+            result = {"error": f"{stage[0]}: {type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-1500:]}
         if rank == 0:
             print(arch, json.dumps(result), flush=True)
     dist.destroy_process_group()
