@@ -50,7 +50,7 @@ NORMS = {"hand": HandRMSNorm, "fused": FusedRMSNorm, "layernorm": LayerNorm}
 
 
 class Block(nn.Module):
-    def __init__(self, gen, rank, world, *, norm, reduce_op, unknown_op):
+    def __init__(self, gen, rank, world, *, norm, reduce_op, unknown_op, num_streams=0):
         super().__init__()
         h, d = HIDDEN // HEADS, HEADS // world
         self.heads, self.hd, self.reduce_op, self.unknown_op = d, h, reduce_op, unknown_op
@@ -70,6 +70,9 @@ class Block(nn.Module):
         self.down = nn.Linear(INTER // world, HIDDEN, bias=False)
         self.down.weight.data.copy_(_full(gen, HIDDEN, INTER)[:, inter])
         self.down_bias = nn.Parameter(0.1 * torch.randn(HIDDEN, generator=gen), requires_grad=False)
+        self.num_streams = num_streams
+        if num_streams:
+            self.stream_w = nn.Parameter(1 / num_streams + 0.1 * torch.randn(num_streams, HIDDEN, generator=gen), requires_grad=False)
 
     def _reduce(self, y):
         if self.reduce_op == "avg":
@@ -80,6 +83,8 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
+        if self.num_streams:  # hyper-connection style: the residual copied into streams, then mixed
+            x = (x.unsqueeze(2).expand(-1, -1, self.num_streams, -1) * self.stream_w).sum(2)
         hx = self.norm1(x)
         q, k, v = (lin(hx).view(b, s, self.heads, self.hd).transpose(1, 2) for lin in (self.q, self.k, self.v))
         scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5
@@ -93,12 +98,13 @@ class Block(nn.Module):
 
 
 class ForeignModel(nn.Module):
-    def __init__(self, rank: int, world: int, *, norm="hand", reduce_op="sum", unknown_op=False, seed=0):
+    def __init__(self, rank: int, world: int, *, norm="hand", reduce_op="sum", unknown_op=False, num_streams=0, seed=0):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.embed.weight.data.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
-        self.blocks = nn.ModuleList(Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op, num_streams=num_streams)
+                                    for _ in range(LAYERS))
         self.norm = NORMS[norm](1 + 0.1 * torch.randn(HIDDEN, generator=gen))
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight.data.copy_(_full(gen, VOCAB, HIDDEN))

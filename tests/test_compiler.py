@@ -95,6 +95,18 @@ def test_unknown_op_gathers_first_and_still_matches(foreign_reference):
     assert any(s[0] == "all_gather" and "unknown op aten::cumsum" in s[2] for s in sites)
 
 
+def test_residual_copied_into_streams_stays_sequence_parallel():
+    """Hyper-connection style residual: x.unsqueeze(2).expand(-1, -1, n, -1) mixed by per-stream weights.
+    The expand of a feature dim is token-wise: no gather before it, numbers equal eager TP and TP=1."""
+    reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, num_streams=3, nprocs=1)[0]["eager"]
+    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, num_streams=3, nprocs=2)
+    _check_foreign(results, reference)
+    for variant, before, after, sites, notes in results[0]["graphs"]:
+        assert before == {"all_reduce": 4}
+        assert after == {"ag_mm": 4, "mm_rs": 4}, results[0]["report"]
+        assert not any("expand" in n for n in notes), notes
+
+
 def test_moe_model_with_flattened_tokens_and_a_token_shift():
     """Mixtral-style MoE blocks (view(-1, hidden) with a symbolic -1, replicated router, sharded experts,
     sort by expert) with a token shift over each sequence: the flattening view stays sequence-parallel

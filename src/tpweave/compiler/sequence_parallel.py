@@ -3,8 +3,8 @@
 Placements: a node is either replicated (the default: the graph as written) or `Shard`: this rank
 holds rows [rank*r, (rank+1)*r) of its tokens flattened, r = ceil(N/TP), as the node `local`.
 - all_reduce(sum) -> reduce_scatter_tokens: the result is a Shard.
-- token-wise ops (pointwise, casts, reductions/softmax/norms over feature dims, views and slices
-  that keep the token dims leading) run on the Shard; a replicated activation of the same tokens
+- token-wise ops (pointwise, casts, reductions/softmax/norms over feature dims, views, slices and
+  expands that keep the token dims leading) run on the Shard; a replicated activation of the same tokens
   that meets a Shard is sliced locally (no communication).
 - any other consumer (matmuls, attention, graph outputs, ops we do not know) gets one
   all_gather_tokens per Shard node, inserted right before the first consumer and shared by all.
@@ -191,6 +191,8 @@ class SequenceParallelPass:
             return self._dim_op(node, out_ndim=val(node.args[0]).dim())
         if t is aten.permute.default:
             return self._permute(node)
+        if t is aten.expand.default:
+            return self._expand(node)
         if t is aten.cat.default:
             return self._cat(node)
         raise NotTokenWise("no token-wise rule")
@@ -320,6 +322,18 @@ class SequenceParallelPass:
         if dims[:k] != list(range(k)):
             raise NotTokenWise("moves a token dim")
         return self._replace(node, (sh.local, [0] + [d - k + 1 for d in dims[k:]]), sh.token_sizes)
+
+    def _expand(self, node: fx.Node) -> Shard:
+        """expand of feature dims only (e.g. a residual copied into several streams: (T, 1, H) -> (T, n, H))."""
+        x, sh = self._input_shard(node)
+        k = sh.num_token_dims
+        in_shape, out_shape = val(x).shape, val(node).shape
+        if len(out_shape) != len(in_shape) or not same_sizes(out_shape[:k], in_shape[:k]):
+            raise NotTokenWise("expands a token dim or adds leading dims")
+        feats = list(out_shape[k:])
+        if not all(isinstance(f, int) for f in feats):
+            raise NotTokenWise("expand with symbolic feature dims")
+        return self._replace(node, (sh.local, [-1, *feats]), sh.token_sizes, {})
 
     def _cat(self, node: fx.Node) -> Shard:
         tensors = node.args[0]
