@@ -1,4 +1,8 @@
 """Foundation: runtime, token collectives, reference model, weights (CPU, gloo, several ranks)."""
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -114,6 +118,39 @@ def test_rank_that_dies_ends_the_run():
 def test_rank_that_hangs_times_out():
     with pytest.raises(TimeoutError, match=r"ranks \[1\] had not finished"):
         tpweave.launch(workers.hang_on_rank, 1, nprocs=2, timeout_s=20)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_workers_exit_when_the_launcher_is_killed(tmp_path):
+    code = f"import tpweave, workers; tpweave.launch(workers.write_pid_and_sleep, {str(tmp_path)!r}, nprocs=2)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "workers did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [pid for pid in pids if _running(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, f"workers {alive} outlived their killed launcher"
+    finally:
+        launcher.kill()
 
 
 def test_symmetric_memory_waits_end_at_the_group_timeout():

@@ -64,6 +64,12 @@ def hang_on_rank(ctx, bad_rank):
     return ctx.rank
 
 
+def write_pid_and_sleep(ctx, directory):
+    with open(os.path.join(directory, f"rank{ctx.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3600)
+
+
 def token_collectives(ctx, token_counts, feature_shape):
     """For each M: (reduce_scatter then all_gather) and all_reduce of the same rank-dependent input."""
     out = {}

@@ -2,7 +2,8 @@
 
 Each worker joins a fresh process group (gloo on CPU, NCCL when there is a GPU per rank) and calls
 fn(ctx, *args). The caller gets every rank's return value, or the first failing rank's exception with
-its traceback. A rank that dies, or a run that outlives `timeout_s`, ends all ranks with an error.
+its traceback. A rank that dies, or a run that outlives `timeout_s`, ends all ranks with an error;
+workers exit when the launching process dies.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -39,7 +41,16 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def _exit_with_parent() -> None:
+    """Workers leave when the launching process dies (killed, out of memory): blocked in a collective or
+    in results.put() with nobody reading, they would otherwise outlive it for good."""
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), name="tpweave-parent-watch", daemon=True).start()
+
+
 def _worker(rank: int, nprocs: int, port: int, backend: str, collective_timeout_s: float, results, fn, args, kwargs) -> None:
+    _exit_with_parent()
     os.environ.update(SAFE_ENV)
     os.environ.update(
         {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
