@@ -138,7 +138,6 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path):
         while len(list(tmp_path.glob("rank*.pid"))) < 2:
             assert time.monotonic() < deadline and launcher.poll() is None, "workers did not start"
             time.sleep(0.2)
-        time.sleep(0.5)
         pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
         launcher.kill()
         launcher.wait()

@@ -65,8 +65,10 @@ def hang_on_rank(ctx, bad_rank):
 
 
 def write_pid_and_sleep(ctx, directory):
-    with open(os.path.join(directory, f"rank{ctx.rank}.pid"), "w") as f:
+    path = os.path.join(directory, f"rank{ctx.rank}")
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path + ".pid")  # the test reads a .pid file only once it is complete
     time.sleep(3600)
 
 
