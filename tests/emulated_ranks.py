@@ -13,6 +13,7 @@ What it checks: slot sizes and offsets, the order of pushes, signals and reads, 
 back-to-back calls and CUDA-graph replays, any M and world size. What it cannot: the weaker ordering
 of NVLink between GPUs, and any timing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import tpweave
-
 
 try:
     import triton
@@ -141,5 +141,13 @@ def run(world_size: int, fn, *args, timeout_s: float = 600, collective_timeout_s
     """[fn(ctx, *args) for every emulated rank] (ctx.device: the one GPU); a rank's error or a timeout
     (a deadlocked protocol) raises, as in tpweave.launch. collective_timeout_s: the gloo group's
     timeout, which is also how long the kernels wait for a peer's signal."""
-    return tpweave.launch(_emulated_rank, fn, args, timeout_s, nprocs=world_size, backend="gloo", timeout_s=timeout_s,
-                          collective_timeout_s=collective_timeout_s)
+    return tpweave.launch(
+        _emulated_rank,
+        fn,
+        args,
+        timeout_s,
+        nprocs=world_size,
+        backend="gloo",
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+    )

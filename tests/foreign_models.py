@@ -5,6 +5,7 @@
 embedding whose output meets the first sharded residual. Weights come from a seed and are sliced by
 rank, so every TP degree computes the same function.
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,7 +65,10 @@ class Block(nn.Module):
             lin.weight.data.copy_(w[cols]), lin.bias.data.copy_(b[cols])
         self.o = nn.Linear(d * h, HIDDEN, bias=False)
         self.o.weight.data.copy_(_full(gen, HIDDEN, HIDDEN)[:, cols])
-        self.gate, self.up = nn.Linear(HIDDEN, INTER // world, bias=False), nn.Linear(HIDDEN, INTER // world, bias=False)
+        self.gate, self.up = (
+            nn.Linear(HIDDEN, INTER // world, bias=False),
+            nn.Linear(HIDDEN, INTER // world, bias=False),
+        )
         self.gate.weight.data.copy_(_full(gen, INTER, HIDDEN)[inter])
         self.up.weight.data.copy_(_full(gen, INTER, HIDDEN)[inter])
         self.down = nn.Linear(INTER // world, HIDDEN, bias=False)
@@ -72,7 +76,9 @@ class Block(nn.Module):
         self.down_bias = nn.Parameter(0.1 * torch.randn(HIDDEN, generator=gen), requires_grad=False)
         self.num_streams = num_streams
         if num_streams:
-            self.stream_w = nn.Parameter(1 / num_streams + 0.1 * torch.randn(num_streams, HIDDEN, generator=gen), requires_grad=False)
+            self.stream_w = nn.Parameter(
+                1 / num_streams + 0.1 * torch.randn(num_streams, HIDDEN, generator=gen), requires_grad=False
+            )
 
     def _reduce(self, y):
         if self.reduce_op == "avg":
@@ -103,8 +109,10 @@ class ForeignModel(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.embed.weight.data.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
-        self.blocks = nn.ModuleList(Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op, num_streams=num_streams)
-                                    for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(
+            Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op, num_streams=num_streams)
+            for _ in range(LAYERS)
+        )
         self.norm = NORMS[norm](1 + 0.1 * torch.randn(HIDDEN, generator=gen))
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight.data.copy_(_full(gen, VOCAB, HIDDEN))
@@ -149,13 +157,15 @@ class DTensorModel(nn.Module):
             x = block(x)
         return self.out_norm(x)
 
-    def parallelize(self, world: int) -> "DTensorModel":
+    def parallelize(self, world: int) -> DTensorModel:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (world,))
         for block in self.blocks:
-            parallelize_module(block, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+            parallelize_module(
+                block, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+            )
         return self
 
 
@@ -169,8 +179,12 @@ class MatmulMLPModel(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         cols = slice(rank * INTER // world, (rank + 1) * INTER // world)
         self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
-        self.w_in = nn.ParameterList(nn.Parameter(_full(gen, INTER, HIDDEN)[cols], requires_grad=False) for _ in range(LAYERS))
-        self.w_out = nn.ParameterList(nn.Parameter(_full(gen, HIDDEN, INTER)[:, cols], requires_grad=False) for _ in range(LAYERS))
+        self.w_in = nn.ParameterList(
+            nn.Parameter(_full(gen, INTER, HIDDEN)[cols], requires_grad=False) for _ in range(LAYERS)
+        )
+        self.w_out = nn.ParameterList(
+            nn.Parameter(_full(gen, HIDDEN, INTER)[:, cols], requires_grad=False) for _ in range(LAYERS)
+        )
         self.norm_w = nn.Parameter(1 + 0.1 * torch.randn(LAYERS + 1, HIDDEN, generator=gen), requires_grad=False)
         self.head = nn.Parameter(_full(gen, VOCAB, HIDDEN), requires_grad=False)
 

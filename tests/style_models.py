@@ -1,6 +1,8 @@
 """More TP model styles for the compiler: post-norm, parallel attention+MLP, Gemma-like norms and
 scaled embeddings, fused residual that returns (normed, residual), last-token LM head, funcol
-all_reduce, several outputs, GPT-2-like row-parallel bias after the reduction with a scaled residual. Each is small; weights come from a seed and are sliced by rank."""
+all_reduce, several outputs, GPT-2-like row-parallel bias after the reduction with a scaled residual.
+Each is small; weights come from a seed and are sliced by rank."""
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +43,9 @@ class StyleModel(nn.Module):
     def _norm(self, x, i):
         if self.style == "gemma":  # (1 + w), computed in fp32, eps inside the sqrt
             x32 = x.float()
-            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.norm_w[i].float())).type_as(x)
+            return (
+                x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.norm_w[i].float())
+            ).type_as(x)
         if self.style in ("postnorm", "row_bias"):
             return F.layer_norm(x, (H,), 1 + self.norm_w[i], 0.1 * self.norm_w[i], 1e-5)
         return F.rms_norm(x, (H,), 1 + self.norm_w[i], 1e-6)
@@ -58,7 +62,9 @@ class StyleModel(nn.Module):
                 x = self._norm(x + self._mlp(x, j), j)
         elif self.style == "parallel":  # one all-reduce for the sum of both branches (GPT-J)
             h = self._norm(x, 0)
-            partial = F.gelu(h @ self.w_in[0].t()) @ self.w_out[0].t() + F.silu(h @ self.w_in[1].t()) @ self.w_out[1].t()
+            partial = (
+                F.gelu(h @ self.w_in[0].t()) @ self.w_out[0].t() + F.silu(h @ self.w_in[1].t()) @ self.w_out[1].t()
+            )
             x = x + self._reduce(partial)
         elif self.style == "fused_residual":  # vLLM style: norm(x, residual) -> (normed, new residual)
             residual = x
@@ -68,7 +74,9 @@ class StyleModel(nn.Module):
                 residual = out + residual
                 h = self._norm(residual, j + 1)
             return h[-1:] @ self.head.t(), residual  # last-token logits and the residual stream
-        elif self.style == "row_bias":  # GPT-2 / OPT: pre-LayerNorm, bias added once after the reduction, scaled residual
+        elif (
+            self.style == "row_bias"
+        ):  # GPT-2 / OPT: pre-LayerNorm, bias added once after the reduction, scaled residual
             for j in range(2):
                 x = 0.5 * x + (self._mlp(self._norm(x, j), j) + self.b_out[j])
         elif self.style == "graph_break":  # not in STYLES: Dynamo compiles two graphs (as at HF's SDPA call)

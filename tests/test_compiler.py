@@ -2,14 +2,14 @@
 against eager TP and the unsharded (TP=1) model, for every token count. Graphs: one for every M >= 2,
 one for M = 1 (a size-1 dim stays static: see compiler/dynamic.py), and at most one more where a
 token shard has one row (Inductor guards that size, e.g. M = 2 at TP = 2)."""
+
 import pytest
 import torch
 
 import tpweave
-from tpweave.models import get_preset
-
 import workers
 from conftest import num_gpus
+from tpweave.models import get_preset
 
 GPU_RANKS = min(2, num_gpus())  # TP=2 on the 2-GPU box; one rank (SP forced) where only one GPU is lent
 
@@ -58,7 +58,9 @@ def foreign_reference():
     refs = {}
     for norm in ("hand", "fused", "layernorm"):
         refs[norm] = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, norm=norm, nprocs=1)[0]["eager"]
-    refs["unknown"] = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, unknown_op=True, nprocs=1)[0]["eager"]
+    refs["unknown"] = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, unknown_op=True, nprocs=1)[0][
+        "eager"
+    ]
     return refs
 
 
@@ -87,7 +89,9 @@ def test_foreign_style_model(norm, tp, foreign_reference):
 
 
 def test_unknown_op_gathers_first_and_still_matches(foreign_reference):
-    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, unknown_op=True, nprocs=2)
+    results = tpweave.launch(
+        workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, unknown_op=True, nprocs=2
+    )
     _check_foreign(results, foreign_reference["unknown"])
     variant, before, after, sites, notes = results[0]["graphs"][0]
     assert "all_reduce" not in after
@@ -99,9 +103,11 @@ def test_residual_copied_into_streams_stays_sequence_parallel():
     """Hyper-connection style residual: x.unsqueeze(2).expand(-1, -1, n, -1) mixed by per-stream weights.
     The expand of a feature dim is token-wise: no gather before it, numbers equal eager TP and TP=1."""
     reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, num_streams=3, nprocs=1)[0]["eager"]
-    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, num_streams=3, nprocs=2)
+    results = tpweave.launch(
+        workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, num_streams=3, nprocs=2
+    )
     _check_foreign(results, reference)
-    for variant, before, after, sites, notes in results[0]["graphs"]:
+    for _variant, before, after, _sites, notes in results[0]["graphs"]:
         assert before == {"all_reduce": 4}
         assert after == {"ag_mm": 4, "mm_rs": 4}, results[0]["report"]
         assert not any("expand" in n for n in notes), notes
@@ -112,8 +118,12 @@ def test_moe_model_with_flattened_tokens_and_a_token_shift():
     sort by expert) with a token shift over each sequence: the flattening view stays sequence-parallel
     (it used to gather first), the shift gathers (batch, seq) tokens, the router's matmul gathers through
     the same all-gather. Numbers equal eager TP and TP=1."""
-    reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, model_name="MoEModel", nprocs=1)[0]["eager"]
-    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, model_name="MoEModel", nprocs=2)
+    reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, model_name="MoEModel", nprocs=1)[0][
+        "eager"
+    ]
+    results = tpweave.launch(
+        workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, model_name="MoEModel", nprocs=2
+    )
     _check_foreign(results, reference)
     variant, before, after, sites, notes = results[0]["graphs"][0]
     assert before == {"all_reduce": 2} and "all_reduce" not in after, results[0]["report"]
@@ -139,7 +149,9 @@ def test_average_all_reduce_is_left_alone():
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     variant, before, after, sites, notes = results[0]["graphs"][0]
     assert after == before == {"all_reduce": 4}
-    assert [s for s in sites if s[0] == "all_reduce"] == [("all_reduce", "left alone", "reduce op 'avg' is not a sum")] * 4
+    assert [s for s in sites if s[0] == "all_reduce"] == [
+        ("all_reduce", "left alone", "reduce op 'avg' is not a sum")
+    ] * 4
 
 
 def test_pass_failure_falls_back_to_plain_compile(foreign_reference):
@@ -159,20 +171,27 @@ def test_batch_seq_model_graphs_and_inductor_failure_fallbacks():
     shapes = [(3, 5), (1, 1), (2, 1), (1, 7), (4, 2)]
     reference = tpweave.launch(workers.foreign_model_outputs, shapes, model_name="MatmulMLPModel", nprocs=1)[0]["eager"]
     for nprocs, kwargs in ((1, {}), (2, {"sp": False}), (2, {"sp_min_tokens": 0})):
-        results = tpweave.launch(workers.foreign_model_outputs, shapes, kwargs, model_name="MatmulMLPModel", nprocs=nprocs)
+        results = tpweave.launch(
+            workers.foreign_model_outputs, shapes, kwargs, model_name="MatmulMLPModel", nprocs=nprocs
+        )
         _check_foreign(results, reference)
         assert results[0]["num_compiles"] == 4, (nprocs, kwargs, results[0]["report"])  # (4, 2) reuses (3, 5)'s
         for variant, before, after, sites, notes in results[0]["graphs"]:
             assert not notes, notes
             if variant == "plain":
                 assert after == before == {"all_reduce": 2}
-                assert all(why.endswith("token dims flattened") for kind, _, why in sites if kind == "all_reduce"), sites
-    results = tpweave.launch(workers.foreign_model_outputs, shapes[:2], {"sp_min_tokens": 0}, fail_inductor=True, nprocs=2)
+                assert all(why.endswith("token dims flattened") for kind, _, why in sites if kind == "all_reduce"), (
+                    sites
+                )
+    results = tpweave.launch(
+        workers.foreign_model_outputs, shapes[:2], {"sp_min_tokens": 0}, fail_inductor=True, nprocs=2
+    )
     _check_foreign(results, tpweave.launch(workers.foreign_model_outputs, shapes[:2], nprocs=1)[0]["eager"])
     notes = results[0]["graphs"][0][4]
     assert [n.split(" (")[0] + " ..." + n.split(";")[-1] for n in notes] == [
         "Inductor failed ... compiling without our passes",
-        "Inductor failed without our passes too ... running this graph uncompiled"], notes
+        "Inductor failed without our passes too ... running this graph uncompiled",
+    ], notes
 
 
 def test_tp_subgroup_of_a_larger_world(reference_logits):
@@ -183,7 +202,9 @@ def test_tp_subgroup_of_a_larger_world(reference_logits):
     for outs, after in results:
         assert after.get("ag_mm") and after.get("mm_rs") and "all_reduce" not in after, after
         for m, (compiled, eager) in zip(counts, outs):
-            assert _close(compiled, eager, "float32") and _close(compiled, reference_logits[("float32", m)], "float32"), m
+            assert _close(compiled, eager, "float32") and _close(
+                compiled, reference_logits[("float32", m)], "float32"
+            ), m
 
 
 def test_model_dynamo_cannot_trace_runs_eagerly_with_a_note():
@@ -228,7 +249,10 @@ def test_bad_input_errors():
     messages = tpweave.launch(workers.compile_errors, nprocs=2)[0]
     assert "empty batch" in messages["empty"]
     assert "sp_min_tokens must be >= 0" in messages["negative"]
-    assert messages["disagree"].startswith("ranks disagree on tpweave.compile options") and "'sp_min_tokens'" in messages["disagree"]
+    assert (
+        messages["disagree"].startswith("ranks disagree on tpweave.compile options")
+        and "'sp_min_tokens'" in messages["disagree"]
+    )
 
 
 @pytest.mark.gpu(gpus=1)
@@ -242,8 +266,15 @@ def test_gpu_llama3_8b_sp_async_tp_matches_plain(cudagraphs):
         for m in counts:
             sp, plain = rank_out[("sp", m)], rank_out[("plain", m)]
             scale = plain.abs().max().item()
-            print(f"cudagraphs={cudagraphs} M={m}: max|SP+asyncTP - plain| = {(sp - plain).abs().max().item():.4g} (max|logit| {scale:.3g})")
-            assert (sp - plain).abs().max().item() <= 3e-2 * max(1.0, scale), (m, (sp - plain).abs().max().item(), scale)
+            print(
+                f"cudagraphs={cudagraphs} M={m}: max|SP+asyncTP - plain| = {(sp - plain).abs().max().item():.4g} "
+                f"(max|logit| {scale:.3g})"
+            )
+            assert (sp - plain).abs().max().item() <= 3e-2 * max(1.0, scale), (
+                m,
+                (sp - plain).abs().max().item(),
+                scale,
+            )
 
 
 def test_other_model_styles():
@@ -259,7 +290,9 @@ def test_other_model_styles():
             eager, compiled, (num_compiles, graphs, text, _) = rank_out[style]
             assert 1 <= num_compiles <= MAX_GRAPHS, (style, text)
             for before, after, _ in graphs:
-                assert "all_reduce" not in after and before["all_reduce"] == after.get("mm_rs", 0) + after.get("reduce_scatter_tokens", 0)
+                assert "all_reduce" not in after and before["all_reduce"] == after.get("mm_rs", 0) + after.get(
+                    "reduce_scatter_tokens", 0
+                )
             for got_outs, eager_outs, ref_outs in zip(compiled, eager, reference[style][0]):
                 for got, want, ref in zip(got_outs, eager_outs, ref_outs):
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
@@ -273,7 +306,9 @@ def test_plain_graph_fuses_all_reduce_residual_rms_norm(reference_logits):
     """Plain TP graph: every all-reduce of the tiny Llama (embedding, o_proj, down_proj) and the add +
     RMSNorm after it become one tpweave::all_reduce_rms_norm; logits equal eager TP and TP=1."""
     counts = [1, 3, 64, 129]
-    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, ("float32", "bfloat16"), FUSED_NORM, nprocs=2)
+    results = tpweave.launch(
+        workers.llama_compiled_outputs, "tiny", counts, ("float32", "bfloat16"), FUSED_NORM, nprocs=2
+    )
     for rank_out in results:
         for dtype in ("float32", "bfloat16"):
             assert 1 <= rank_out[(dtype, "num_compiles")] <= MAX_GRAPHS
@@ -366,7 +401,9 @@ def test_hf_model_with_its_own_tp_plan(arch, tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it for tp_plan
     shapes = [(1, 1), (2, 3), (1, 9), (3, 16)]
-    for rank_out in tpweave.launch(workers.hf_tp_plan_outputs, arch, shapes, str(tmp_path / arch), nprocs=2, timeout_s=900):
+    for rank_out in tpweave.launch(
+        workers.hf_tp_plan_outputs, arch, shapes, str(tmp_path / arch), nprocs=2, timeout_s=900
+    ):
         assert not any("failed" in n for n in rank_out["notes"]), rank_out["report"]
         # transformers 5.17 loops over the experts a batch hits: graph breaks, some graphs without collectives
         rewritten = [after for variant, before, after in rank_out["graphs"] if before.get("all_reduce")]
@@ -384,9 +421,13 @@ def test_size_one_token_dims_get_a_graph_of_their_own(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     shapes = [(2, 3), (3, 1), (1, 1), (4, 5), (1, 7)]
-    for rank_out in tpweave.launch(workers.hf_tp_plan_outputs, "gpt_oss", shapes, str(tmp_path / "gpt_oss"), nprocs=2, timeout_s=900):
+    for rank_out in tpweave.launch(
+        workers.hf_tp_plan_outputs, "gpt_oss", shapes, str(tmp_path / "gpt_oss"), nprocs=2, timeout_s=900
+    ):
         assert not any("failed" in n for n in rank_out["notes"]), rank_out["report"]
-        assert len(rank_out["graphs"]) <= 4, rank_out["report"]  # (B, S), (B, 1), (1, 1), (1, S); (4, 5) reuses the first
+        assert len(rank_out["graphs"]) <= 4, rank_out[
+            "report"
+        ]  # (B, S), (B, 1), (1, 1), (1, S); (4, 5) reuses the first
         for got, want in zip(rank_out["got"], rank_out["want"]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -399,11 +440,13 @@ def test_sp_graph_fuses_reduce_scatter_residual_rms_norm(reference_logits):
     each o_proj / down_proj mm_rs and the residual add + RMSNorm after it become one
     tpweave::mm_rs_rms_norm (TP=3: uneven shards); logits equal eager TP and TP=1."""
     counts = [1, 2, 5, 129]
-    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, ("float32", "bfloat16"), SP_FUSED_NORM, nprocs=3)
+    results = tpweave.launch(
+        workers.llama_compiled_outputs, "tiny", counts, ("float32", "bfloat16"), SP_FUSED_NORM, nprocs=3
+    )
     for rank_out in results:
         for dtype in ("float32", "bfloat16"):
             assert 1 <= rank_out[(dtype, "num_compiles")] <= MAX_GRAPHS
-            for variant, before, after, sites in rank_out[(dtype, "graphs")]:
+            for variant, _before, after, sites in rank_out[(dtype, "graphs")]:
                 assert variant == "sp" and after.get("mm_rs_rms_norm") == 2 * NUM_LAYERS and "mm_rs" not in after
                 fused = [s for s in sites if s[:2] == ("mm_rs_rms_norm", "fused")]
                 assert len(fused) == 2 * NUM_LAYERS and all("residual add + RMSNorm" in s[2] for s in fused)
@@ -426,7 +469,7 @@ def test_reduce_scatter_norm_fusion_across_styles():
         for style in STYLES:
             eager, compiled, (num_compiles, graphs, text, _) = rank_out[style]
             assert 1 <= num_compiles <= MAX_GRAPHS, text
-            for before, after, sites in graphs:
+            for _before, after, sites in graphs:
                 norm_sites = [s for s in sites if s[0] == "mm_rs_rms_norm"]
                 num_fused.setdefault(style, set()).add(sum(s[1] == "fused" for s in norm_sites))
                 assert after.get("mm_rs_rms_norm", 0) == sum(s[1] == "fused" for s in norm_sites), text
@@ -436,7 +479,14 @@ def test_reduce_scatter_norm_fusion_across_styles():
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=style)
                     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=style)
         # post-norm LayerNorm: no RMSNorm; parallel residual: its one reduce-scatter sums two matmuls (no mm_rs)
-        assert num_fused == {"postnorm": {0}, "parallel": {0}, "gemma": {2}, "fused_residual": {2}, "funcol": {2}, "row_bias": {0}}
+        assert num_fused == {
+            "postnorm": {0},
+            "parallel": {0},
+            "gemma": {2},
+            "fused_residual": {2},
+            "funcol": {2},
+            "row_bias": {0},
+        }
 
 
 def test_graph_breaks_and_recompile_limit_are_reported():
@@ -445,11 +495,13 @@ def test_graph_breaks_and_recompile_limit_are_reported():
     share one code object's limit, so it is scaled by them; past it the model runs eagerly, correctly)."""
     counts = [1, 5, 33]
     for rank_out in tpweave.launch(workers.reported_dynamo_limits, counts, nprocs=2):
-        for name, (outs, notes, num_compiles, after) in rank_out.items():
+        for name, (outs, _notes, _num_compiles, _after) in rank_out.items():
             for got, want in outs:
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
         _, notes, num_compiles, after = rank_out["graph_break"]
-        assert num_compiles == 4 and sorted(v for v, _ in after) == ["plain"] * 2 + ["sp"] * 2, after  # two graphs per variant
+        assert num_compiles == 4 and sorted(v for v, _ in after) == ["plain"] * 2 + ["sp"] * 2, (
+            after
+        )  # two graphs per variant
         assert all("all_reduce" not in a and a.get("mm_rs") == 1 for v, a in after if v == "sp"), after
         assert sum("Dynamo split the forward into 2 graphs" in n for n in notes) == 2, notes  # sp and plain
         assert not any("recompile limit" in n for n in notes), notes

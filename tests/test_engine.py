@@ -1,17 +1,24 @@
 """Engine on CPU: greedy generation at TP=2 (compiled, SP + async TP) gives the same tokens as TP=1
 eager, through chunked prefill, mixed steps and preemption; bad requests are rejected alone."""
+
 import random
 
 import pytest
-
 import torch
 
 import tpweave
-
 import workers
 
-ENGINE = dict(dtype=torch.float32, block_size=4, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=16,
-              max_model_len=64, compile_model=True, sp_min_tokens=0)
+ENGINE = dict(
+    dtype=torch.float32,
+    block_size=4,
+    num_blocks=16,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=64,
+    compile_model=True,
+    sp_min_tokens=0,
+)
 
 
 def _prompts():
@@ -52,8 +59,29 @@ def test_sampling_is_the_same_on_every_rank():
 def test_generate_cli(capsys):
     from tpweave.cli import main
 
-    assert main(["generate", "--model", "tiny", "--tp", "2", "--dtype", "float32", "--max-tokens", "3", "--num-prompts", "2",
-                 "--prompt-ids", "5,6,7", "--prompt-ids", "", "--no-compile"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "tiny",
+                "--tp",
+                "2",
+                "--dtype",
+                "float32",
+                "--max-tokens",
+                "3",
+                "--num-prompts",
+                "2",
+                "--prompt-ids",
+                "5,6,7",
+                "--prompt-ids",
+                "",
+                "--no-compile",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[0] 3 prompt tokens -> [" in out and "(length)" in out
     assert "[1] rejected: empty prompt" in out
@@ -69,12 +97,21 @@ def test_gpu_llama3_8b_tokens_tp2_equal_tp1_with_cuda_graph_decode():
     tp = min(2, num_gpus())
     rng = random.Random(1)
     prompts = [[rng.randrange(128256) for _ in range(n)] for n in (5, 33, 101, 257)]
-    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, sp_min_tokens=64)  # prefill steps take the SP graph
-    (got, info), *_ = tpweave.launch(workers.gpu_engine_generate, "llama3-8b", prompts, 64, kwargs, nprocs=tp, backend="nccl")
+    kwargs = dict(
+        max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, sp_min_tokens=64
+    )  # prefill steps take the SP graph
+    (got, info), *_ = tpweave.launch(
+        workers.gpu_engine_generate, "llama3-8b", prompts, 64, kwargs, nprocs=tp, backend="nccl"
+    )
     assert info["num_graphs"] == 3 and info["num_graph_replays"] >= 60  # buckets 1, 2, 4; decode steps replayed
     ref, _ = tpweave.launch(workers.gpu_engine_generate, "llama3-8b", prompts, 64, kwargs, nprocs=1, backend="nccl")[0]
-    forced = tpweave.launch(workers.gpu_teacher_forced, "llama3-8b", [(p, g["token_ids"]) for p, g in zip(prompts, got)],
-                            nprocs=1, backend="nccl")[0]
+    forced = tpweave.launch(
+        workers.gpu_teacher_forced,
+        "llama3-8b",
+        [(p, g["token_ids"]) for p, g in zip(prompts, got)],
+        nprocs=1,
+        backend="nccl",
+    )[0]
     num_equal = sum(a == b for g, r in zip(got, ref) for a, b in zip(g["token_ids"], r["token_ids"]))
     print(f"tokens equal to TP=1 generation: {num_equal} / {64 * len(prompts)}")
     for g, (argmax, margins) in zip(got, forced):
@@ -91,8 +128,18 @@ def test_decode_buckets_and_padded_graph_inputs():
 
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert decode_buckets(1) == [1] and decode_buckets(5) == [1, 2, 4, 5] and decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-    runner = ModelRunner(tpweave.TPContext.single(), "tiny", dtype=torch.float32, seed=0, block_size=4, num_blocks=8,
-                         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, compile_model=False)
+    runner = ModelRunner(
+        tpweave.TPContext.single(),
+        "tiny",
+        dtype=torch.float32,
+        seed=0,
+        block_size=4,
+        num_blocks=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=32,
+        compile_model=False,
+    )
     assert runner.model.model.layers[0].self_attn.k_cache.shape[0] == (8 + 1) * 4  # + the pad block
     seqs = [Sequence([1, 2, 3, 4, 5]), Sequence([7, 8])]
     seqs[0].block_table, seqs[1].block_table = [3, 5], [0]

@@ -1,4 +1,5 @@
 """Foundation: runtime, token collectives, reference model, weights (CPU, gloo, several ranks)."""
+
 import os
 import signal
 import subprocess
@@ -9,10 +10,9 @@ import pytest
 import torch
 
 import tpweave
-from tpweave.models import build_model, get_preset, random_hf_state, save_hf_checkpoint
-from tpweave.models.weights import SafetensorsFetch, Piece
-
 import workers
+from tpweave.models import build_model, get_preset, random_hf_state, save_hf_checkpoint
+from tpweave.models.weights import Piece, SafetensorsFetch
 
 TOKEN_COUNTS = [1, 2, 3, 7, 64, 129]
 TOL = {"float32": 1e-4, "bfloat16": 6e-2}
@@ -84,7 +84,9 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     (tmp_path / "corrupt" / "config.json").write_text((tmp_path / "bad" / "config.json").read_text())
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
     with pytest.raises(ValueError, match="cannot read"):
-        SafetensorsFetch(tmp_path / "corrupt", cfg, dtype=torch.float32, device=torch.device("cpu"))(Piece("model.norm.weight", None))
+        SafetensorsFetch(tmp_path / "corrupt", cfg, dtype=torch.float32, device=torch.device("cpu"))(
+            Piece("model.norm.weight", None)
+        )
 
 
 def test_tp_not_dividing_heads():
@@ -102,7 +104,9 @@ def test_ranks_that_disagree_fail_with_the_difference():
 
 def test_rank_that_raises_surfaces_with_traceback():
     start = time.monotonic()
-    with pytest.raises(tpweave.WorkerError, match=r"(?s)rank 1 failed:.*Traceback.*ValueError: boom from rank 1") as info:
+    with pytest.raises(
+        tpweave.WorkerError, match=r"(?s)rank 1 failed:.*Traceback.*ValueError: boom from rank 1"
+    ) as info:
         tpweave.launch(workers.raise_on_rank, 1, nprocs=2)
     assert info.value.rank == 1
     assert time.monotonic() - start < 60
@@ -166,7 +170,9 @@ def test_token_collectives_any_m(tp, feature_shape):
         rows = -(-m // tp)
         for rank, out in enumerate(results):
             reduced, gathered, shard, local = out[m]
-            expected = sum(torch.arange(m * torch.Size(feature_shape).numel(), dtype=torch.float32) + 1000 * r for r in range(tp))
+            expected = sum(
+                torch.arange(m * torch.Size(feature_shape).numel(), dtype=torch.float32) + 1000 * r for r in range(tp)
+            )
             torch.testing.assert_close(reduced, expected.reshape(m, *feature_shape))
             torch.testing.assert_close(gathered, reduced)  # reduce_scatter + all_gather == all_reduce, a sum
             assert shard.shape == (rows, *feature_shape)
@@ -201,7 +207,9 @@ def test_gpu_nccl_token_collectives():
         reduced, gathered, shard, local = results[0][m]
         torch.testing.assert_close(gathered, reduced)
         torch.testing.assert_close(shard, local)
-    results = tpweave.launch(workers.compiled_collectives_recompiles, [1, 2, 3, 5, 64, 129, 1000], nprocs=2, backend="nccl")
+    results = tpweave.launch(
+        workers.compiled_collectives_recompiles, [1, 2, 3, 5, 64, 129, 1000], nprocs=2, backend="nccl"
+    )
     assert all(n <= 3 and err < 1e-3 for n, err in results)
 
 

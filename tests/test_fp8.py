@@ -1,13 +1,13 @@
 """FP8 (e4m3) dense models on CPU: quantized linears, TP=N against TP=1, SP moving FP8 bytes in its
 all-gathers, and FP8 checkpoints (per-channel, per-tensor and static input scales) loaded by slices."""
+
 import pytest
 import torch
 
 import tpweave
+import workers
 from tpweave.models import ModelConfig, get_preset, random_hf_state, save_hf_checkpoint
 from tpweave.ops import fp8
-
-import workers
 
 COUNTS = [1, 3, 37]
 
@@ -70,7 +70,8 @@ def test_fp8_halves_the_all_gathered_bytes():
     bf16 = tpweave.launch(workers.fp8_outputs, "tiny", [8], nprocs=2)[0]["gathered_bytes_per_token"]
     fp8_bytes = tpweave.launch(workers.fp8_outputs, "tiny-fp8", [8], nprocs=2)[0]["gathered_bytes_per_token"]
     cfg = get_preset("tiny")
-    # per layer 2 gathers (qkv and gate/up inputs) of H values, + the final norm's H values for the LM head (bf16 in both)
+    # per layer 2 gathers (qkv and gate/up inputs) of H values, + the final norm's H values for the LM head
+    # (bf16 in both)
     assert bf16 == (2 * cfg.num_layers + 1) * cfg.hidden_size * 2
     assert fp8_bytes == 2 * cfg.num_layers * (cfg.hidden_size * 1 + 4) + cfg.hidden_size * 2  # FP8 rows + an fp32 scale
 
@@ -91,7 +92,9 @@ def test_fp8_checkpoint_per_tensor_and_static_scales(tmp_path):
     for m in COUNTS:
         # static scales are the same on every rank: TP=2 quantizes like TP=1, and differs only by the
         # bf16 rounding of summing partials (the bf16 model's tolerance in test_foundation)
-        torch.testing.assert_close(out[(m, "eager")], ref[(m, "eager")], atol=6e-2 * ref[(m, "eager")].abs().max().item(), rtol=0)
+        torch.testing.assert_close(
+            out[(m, "eager")], ref[(m, "eager")], atol=6e-2 * ref[(m, "eager")].abs().max().item(), rtol=0
+        )
         assert _rel(out[(m, "compiled")], out[(m, "eager")]) < 0.1  # Inductor rounds the quantization its own way
 
 
@@ -102,4 +105,6 @@ def test_fp8_config_errors():
     with pytest.raises(ValueError, match="unsupported quantization_config.quant_method 'awq'"):
         ModelConfig.from_hf({**base, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="activation_scheme must be 'dynamic' or 'static'"):
-        tpweave.models.build_model(get_preset("tiny-fp8").replace(activation_scheme="dynamc"), tp=tpweave.TPContext.single())
+        tpweave.models.build_model(
+            get_preset("tiny-fp8").replace(activation_scheme="dynamc"), tp=tpweave.TPContext.single()
+        )

@@ -1,9 +1,12 @@
 """GPU attention paths against the reference: varlen prefill, paged prefill/mixed (FA2 over packed
 context), paged decode (Triton, split context), with GQA and block tables in random order."""
+
+import functools
+
 import pytest
 import torch
 
-from tpweave.ops import attention, paged_decode
+from tpweave.ops import attention
 
 pytestmark = pytest.mark.gpu(gpus=1)
 
@@ -27,8 +30,19 @@ def _paged_case(q_lens, ctx_lens, *, heads=16, kv_heads=4, head_dim=128, block_s
     k_new = torch.randn(m, kv_heads, head_dim, generator=gen).to(dev, dt)
     v_new = torch.randn(m, kv_heads, head_dim, generator=gen).to(dev, dt)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
-    return (q, k_new, v_new, k_cache, v_cache, torch.tensor(slots, device=dev), cu,
-            torch.tensor(ctx_lens, dtype=torch.int32, device=dev), tables.to(dev), block_size, head_dim**-0.5)
+    return (
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        torch.tensor(slots, device=dev),
+        cu,
+        torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+        tables.to(dev),
+        block_size,
+        head_dim**-0.5,
+    )
 
 
 @pytest.mark.parametrize(
@@ -55,7 +69,9 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens):
 def test_decode_kernel_is_cuda_graph_safe():
     args = _paged_case([1] * 8, [100 * (i + 1) for i in range(8)])
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
-    run = lambda: torch.ops.tpweave.paged_attention(q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale)
+    run = functools.partial(
+        torch.ops.tpweave.paged_attention, q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale
+    )
     eager = run()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

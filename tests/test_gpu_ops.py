@@ -1,9 +1,9 @@
 """GPU (2 ranks, NCCL): every overlap strategy against the sequential one; piecewise CUDA graphs."""
+
 import pytest
 import torch
 
 import tpweave
-
 import workers
 from conftest import num_gpus
 
@@ -21,7 +21,9 @@ def test_every_strategy_matches_sequential():
     for rank_out in out:
         for m in counts:
             ref = rank_out[("sequential", m)]
-            assert ref[0].shape == (m, 4096) and ref[1].shape == (m, 6144) and ref[3].shape == (-(-m // GPU_RANKS), 4096)
+            assert (
+                ref[0].shape == (m, 4096) and ref[1].shape == (m, 6144) and ref[3].shape == (-(-m // GPU_RANKS), 4096)
+            )
             for name in names:
                 for got, want in zip(rank_out[(name, m)], ref):
                     torch.testing.assert_close(got, want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
@@ -32,7 +34,9 @@ def test_every_strategy_matches_sequential():
                     torch.testing.assert_close(got, want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
             want = rank_out[("nccl", m, "all_reduce")]
             for name in reducers:
-                torch.testing.assert_close(rank_out[(name, m, "all_reduce")], want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
+                torch.testing.assert_close(
+                    rank_out[(name, m, "all_reduce")], want, atol=3e-2 * max(1.0, want.abs().max().item()), rtol=2e-2
+                )
 
 
 def test_fp8_model_compiled_matches_unfused():
@@ -64,7 +68,10 @@ def _check_all_reduce_rms_norm(out, names):
         for key, worst in rank_out["worst"].items():
             # bf16 output: one rounding apart at most (values are O(1) after the norm; h up to ~6)
             assert worst <= 6e-2, (key, worst)
-            assert rank_out["h_fingerprint"][key] == out[0]["h_fingerprint"][key], (key, "every rank must get the same h bits")
+            assert rank_out["h_fingerprint"][key] == out[0]["h_fingerprint"][key], (
+                key,
+                "every rank must get the same h bits",
+            )
         assert set(rank_out["graph_worst"]) >= {n for n in names if n.startswith("triton_")}
         assert max(rank_out["graph_worst"].values()) <= 6e-2, rank_out["graph_worst"]
 
@@ -74,7 +81,9 @@ def test_all_reduce_rms_norm_strategies_match_reference():
     the sum of the ranks' inputs + the reference add + norm: M across the one-program and the row-loop
     cases, a hidden size that is not a power of two, both weight orders, with and without residual;
     every rank gets the same h bits; the fused kernels replay in a CUDA graph between eager calls."""
-    out = tpweave.launch(workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], nprocs=GPU_RANKS, backend="nccl")
+    out = tpweave.launch(
+        workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000], [4096, 5120], nprocs=GPU_RANKS, backend="nccl"
+    )
     _check_all_reduce_rms_norm(out, ["triton_ar_norm", "triton_ar_norm_ll", "sequential"])
 
 
@@ -117,7 +126,9 @@ def test_ar_norm_protocols_on_emulated_ranks(world_size):
     import emulated_ranks
 
     names = ["triton_ar_norm", "triton_ar_norm_ll"]
-    out = emulated_ranks.run(world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000, 1100], [4096, 5120], names, timeout_s=180)
+    out = emulated_ranks.run(
+        world_size, workers.gpu_all_reduce_rms_norm, [1, 3, 64, 200, 1000, 1100], [4096, 5120], names, timeout_s=180
+    )
     _check_all_reduce_rms_norm(out, names)
 
 
@@ -127,10 +138,16 @@ def test_dead_peer_stops_the_kernel_with_a_message_on_emulated_ranks(name, tmp_p
     the process group's timeout passed (8 s here), instead of a GPU spinning forever."""
     import emulated_ranks
 
-    out = emulated_ranks.run(2, workers.gpu_peer_never_arrives, name, str(tmp_path / "rank0.log"), timeout_s=150, collective_timeout_s=8)
+    out = emulated_ranks.run(
+        2, workers.gpu_peer_never_arrives, name, str(tmp_path / "rank0.log"), timeout_s=150, collective_timeout_s=8
+    )
     elapsed, error, printed = out[0]
     assert error is not None and "CUDA" in error, (elapsed, error, printed)
-    assert "tpweave: a peer rank sent no signal within the process group's timeout" in printed, (elapsed, error, printed)
+    assert "tpweave: a peer rank sent no signal within the process group's timeout" in printed, (
+        elapsed,
+        error,
+        printed,
+    )
     assert 7.5 < elapsed < 60, (elapsed, error, printed)
 
 

@@ -2,6 +2,7 @@
 front end and ptxas check every kernel, its inline PTX included (a wrong register name or operand
 constraint otherwise shows only on the device). Skipped without triton; CI runs it with the box's
 Triton (.ci/run). What it cannot check: anything at run time (results, races, speed)."""
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -21,58 +22,123 @@ def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warp
     missing = set(fn.arg_names) - set(arg_types) - set(constexprs)
     assert not missing, f"arguments without a type: {missing}"
     signature = {name: arg_types.get(name, "constexpr") for name in fn.arg_names}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    )
     return triton.compile(source, target=H100_H200, options={"num_warps": num_warps}).asm["ptx"]
 
 
 def _norm_meta(hidden, world, has_residual, weight_fp32):
-    return dict(H=hidden, BLOCK_H=rms_norm.block_h(hidden), RANK=world - 1, WORLD=world, HAS_RESIDUAL=has_residual,
-                WEIGHT_FP32=weight_fp32)
+    return dict(
+        H=hidden,
+        BLOCK_H=rms_norm.block_h(hidden),
+        RANK=world - 1,
+        WORLD=world,
+        HAS_RESIDUAL=has_residual,
+        WEIGHT_FP32=weight_fp32,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("hidden,world,has_residual,weight_fp32", [(4096, 2, True, False), (5120, 4, False, True), (8192, 8, True, True)])
+@pytest.mark.parametrize(
+    "hidden,world,has_residual,weight_fp32", [(4096, 2, True, False), (5120, 4, False, True), (8192, 8, True, True)]
+)
 def test_fused_all_reduce_rms_norm_kernels_compile(dtype, hidden, world, has_residual, weight_fp32):
     p = PTR[dtype]
     tensors = dict(x_ptr=p, res_ptr=p, w_ptr=p, h_ptr=p, y_ptr=p)
     meta = _norm_meta(hidden, world, has_residual, weight_fp32)
     warps = rms_norm.num_warps_for(hidden)
-    ptx = compile_for_gpu(triton_ar_norm._all_reduce_rms_norm_kernel,
-                          {**tensors, "buffer_ptrs": "i64", "signal_pad_ptrs": "i64", "num_rows": "i32", "eps": "fp32", "timeout_ms": "i32"},
-                          meta, num_warps=warps)
+    ptx = compile_for_gpu(
+        triton_ar_norm._all_reduce_rms_norm_kernel,
+        {
+            **tensors,
+            "buffer_ptrs": "i64",
+            "signal_pad_ptrs": "i64",
+            "num_rows": "i32",
+            "eps": "fp32",
+            "timeout_ms": "i32",
+        },
+        meta,
+        num_warps=warps,
+    )
     # the timed waits and the trap are in the kernel (a dead peer stops it instead of hanging the GPU)
     assert "%globaltimer" in ptx and "trap;" in ptx and "atom.global.release.sys.cas.b32" in ptx
     bits, sentinel = triton_ar_norm._SENTINEL[2 if dtype == "bfloat16" else 4]
-    ptx = compile_for_gpu(triton_ar_norm._all_reduce_rms_norm_ll_kernel,
-                          {**tensors, "buffer_ptrs": "i64", "calls_ptr": "*i32", "num_rows": "i32", "slot_numel": "i32", "eps": "fp32",
-                           "timeout_ms": "i32"},
-                          {**meta, "BITS": triton_ar_norm._TL_BITS[bits], "SENTINEL": sentinel}, num_warps=warps)
+    ptx = compile_for_gpu(
+        triton_ar_norm._all_reduce_rms_norm_ll_kernel,
+        {
+            **tensors,
+            "buffer_ptrs": "i64",
+            "calls_ptr": "*i32",
+            "num_rows": "i32",
+            "slot_numel": "i32",
+            "eps": "fp32",
+            "timeout_ms": "i32",
+        },
+        {**meta, "BITS": triton_ar_norm._TL_BITS[bits], "SENTINEL": sentinel},
+        num_warps=warps,
+    )
     assert "%globaltimer" in ptx and "trap;" in ptx and "ld.volatile.global" in ptx
 
 
 @pytest.mark.parametrize("has_s2", [False, True])
 def test_add_rms_norm_kernel_compiles(has_s2):
     p = PTR["bfloat16"]
-    compile_for_gpu(rms_norm._add_rms_norm_kernel, dict(s_ptr=p, s2_ptr=p, res_ptr=p, w_ptr=p, h_ptr=p, y_ptr=p, eps="fp32"),
-                    dict(H=4096, BLOCK_H=4096, HAS_S2=has_s2, HAS_RESIDUAL=True, WEIGHT_FP32=False), num_warps=8)
+    compile_for_gpu(
+        rms_norm._add_rms_norm_kernel,
+        dict(s_ptr=p, s2_ptr=p, res_ptr=p, w_ptr=p, h_ptr=p, y_ptr=p, eps="fp32"),
+        dict(H=4096, BLOCK_H=4096, HAS_S2=has_s2, HAS_RESIDUAL=True, WEIGHT_FP32=False),
+        num_warps=8,
+    )
 
 
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (8, 128), (1, 64)])
 def test_paged_decode_kernel_compiles(group, head_dim):
-    strides = ["stride_qm", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_tb",
-               "stride_om", "stride_oh", "stride_os", "stride_lm", "stride_lh"]
-    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", seq_ptr="*i32", kv_len_ptr="*i32",
-                 o_ptr="*fp32", lse_ptr="*fp32", scale="fp32", block_size="i32", tokens_per_split="i32", **{s: "i32" for s in strides})
-    compile_for_gpu(paged_decode._paged_decode_kernel, types,
-                    dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=paged_decode.BLOCK_N),
-                    num_warps=4)
+    strides = [
+        "stride_qm",
+        "stride_qh",
+        "stride_ks",
+        "stride_kh",
+        "stride_vs",
+        "stride_vh",
+        "stride_tb",
+        "stride_om",
+        "stride_oh",
+        "stride_os",
+        "stride_lm",
+        "stride_lh",
+    ]
+    types = dict(
+        q_ptr="*bf16",
+        k_ptr="*bf16",
+        v_ptr="*bf16",
+        tables_ptr="*i32",
+        seq_ptr="*i32",
+        kv_len_ptr="*i32",
+        o_ptr="*fp32",
+        lse_ptr="*fp32",
+        scale="fp32",
+        block_size="i32",
+        tokens_per_split="i32",
+        **{s: "i32" for s in strides},
+    )
+    compile_for_gpu(
+        paged_decode._paged_decode_kernel,
+        types,
+        dict(
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=paged_decode.BLOCK_N
+        ),
+        num_warps=4,
+    )
 
 
 @pytest.mark.parametrize("wait", [False, True])
 def test_emulated_signal_kernel_compiles(wait):
     import emulated_ranks
 
-    ptx = compile_for_gpu(emulated_ranks._signal_kernel, dict(slot_ptr="*i32", timeout_ms="i32"), dict(WAIT=wait), num_warps=1)
+    ptx = compile_for_gpu(
+        emulated_ranks._signal_kernel, dict(slot_ptr="*i32", timeout_ms="i32"), dict(WAIT=wait), num_warps=1
+    )
     assert ("acquire" if wait else "release") in ptx
 
 
@@ -84,12 +150,22 @@ def test_every_tpweave_kernel_is_compiled_here():
 
     import tpweave
 
-    tested = {"_all_reduce_rms_norm_kernel", "_all_reduce_rms_norm_ll_kernel", "_add_rms_norm_kernel", "_paged_decode_kernel"}
+    tested = {
+        "_all_reduce_rms_norm_kernel",
+        "_all_reduce_rms_norm_ll_kernel",
+        "_add_rms_norm_kernel",
+        "_paged_decode_kernel",
+    }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):
         if info.name.endswith("__main__"):  # runs the CLI
             continue
         module = importlib.import_module(info.name)
-        found |= {name for name, obj in inspect.getmembers(module)
-                  if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel") and obj.__module__ == info.name}
+        found |= {
+            name
+            for name, obj in inspect.getmembers(module)
+            if isinstance(obj, triton.runtime.jit.JITFunction)
+            and name.endswith("_kernel")
+            and obj.__module__ == info.name
+        }
     assert found == tested, found ^ tested

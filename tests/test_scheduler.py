@@ -1,5 +1,6 @@
 """Block manager and scheduler without a model: a deterministic fake 'model' picks each next token
 from the whole token history, so any schedule (chunks, mixing, preemption) must give the same text."""
+
 import random
 
 import pytest
@@ -35,7 +36,9 @@ def run(scheduler, seqs, *, max_steps=10_000):
         stats["preempted"] += len(out.preempted)
         for c in out.chunks:  # every scheduled token has a KV slot
             assert len(c.seq.block_table) * scheduler.blocks.block_size >= c.start + c.num_tokens
-        nxt = {c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples}
+        nxt = {
+            c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples
+        }
         scheduler.postprocess(out, nxt)
     return stats
 
@@ -58,13 +61,20 @@ def test_chunked_prefill_mixes_with_decode_and_matches_unbatched():
     bm = BlockManager(num_blocks=64, block_size=4)
     sched = Scheduler(block_manager=bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=200)
     rng = random.Random(0)
-    seqs = [Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12))) for _ in range(10)]
+    seqs = [
+        Sequence(
+            [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12))
+        )
+        for _ in range(10)
+    ]
     for s in seqs:
         sched.add(s)
     stats = run(sched, seqs)
     assert stats["mixed"] > 0 and stats["max_tokens"] == 16
     for s in seqs:
-        assert s.status is SequenceStatus.FINISHED and s.output_token_ids == reference_output(s.prompt_token_ids, s.params)
+        assert s.status is SequenceStatus.FINISHED and s.output_token_ids == reference_output(
+            s.prompt_token_ids, s.params
+        )
     assert bm.num_free == bm.num_blocks
 
 
@@ -72,7 +82,13 @@ def test_preemption_by_recompute_loses_nothing():
     bm = BlockManager(num_blocks=12, block_size=4)  # far fewer blocks than the requests want together
     sched = Scheduler(block_manager=bm, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64)
     rng = random.Random(1)
-    seqs = [Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))], SamplingParams(max_tokens=20, stop_token_ids=(5,))) for _ in range(12)]
+    seqs = [
+        Sequence(
+            [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))],
+            SamplingParams(max_tokens=20, stop_token_ids=(5,)),
+        )
+        for _ in range(12)
+    ]
     for s in seqs:
         sched.add(s)
     stats = run(sched, seqs)
@@ -119,9 +135,18 @@ def test_random_arrivals_never_lose_or_stall(seed):
     reference text or failed with an error, and every KV block comes back."""
     rng = random.Random(seed)
     blocks = BlockManager(num_blocks=rng.randint(6, 24), block_size=rng.choice([1, 2, 4, 8]))
-    sched = Scheduler(block_manager=blocks, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24), max_model_len=64)
-    pending = [Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12)))
-               for _ in range(20)]
+    sched = Scheduler(
+        block_manager=blocks,
+        max_num_seqs=rng.randint(1, 6),
+        max_num_batched_tokens=rng.randint(1, 24),
+        max_model_len=64,
+    )
+    pending = [
+        Sequence(
+            [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12))
+        )
+        for _ in range(20)
+    ]
     added, steps = [], 0
     while pending or sched.has_unfinished():
         for _ in range(rng.randint(0, 3)):
@@ -135,7 +160,9 @@ def test_random_arrivals_never_lose_or_stall(seed):
         out = sched.schedule()
         steps += 1
         assert steps < 5000, "scheduler stalled"
-        nxt = {c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples}
+        nxt = {
+            c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples
+        }
         sched.postprocess(out, nxt)
     assert blocks.num_free == blocks.num_blocks and all(r == 0 for r in blocks.ref_counts)
     for seq in added:

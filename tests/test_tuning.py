@@ -1,4 +1,5 @@
 """Strategy table, calibration and the layer benchmark on CPU (gloo): the same code the GPU box runs."""
+
 import json
 import logging
 
@@ -6,13 +7,12 @@ import pytest
 import torch
 
 import tpweave
+import workers
 from tpweave.cli import main as cli_main
 from tpweave.models import get_preset
 from tpweave.ops.overlap import parse_policy, pick
 from tpweave.tuning.calibrate import NEVER, policy_from_op_rows, sp_min_from_layer_rows
 from tpweave.tuning.table import StrategyTable, load_table, save_table, site_shapes, table_key, table_path
-
-import workers
 
 
 def test_policy_strings():
@@ -27,18 +27,26 @@ def test_policy_strings():
 
 def test_policy_and_boundary_from_measurements():
     rows = [
-        {"tokens": 1, "arm": "sequential", "ms": 1.0}, {"tokens": 1, "arm": "fast", "ms": 1.5},
-        {"tokens": 512, "arm": "sequential", "ms": 2.0}, {"tokens": 512, "arm": "fast", "ms": 1.99},  # within noise
-        {"tokens": 1024, "arm": "sequential", "ms": 4.0}, {"tokens": 1024, "arm": "fast", "ms": 3.0},
-        {"tokens": 4096, "arm": "sequential", "ms": 9.0}, {"tokens": 4096, "arm": "fast", "ms": 6.0},
+        {"tokens": 1, "arm": "sequential", "ms": 1.0},
+        {"tokens": 1, "arm": "fast", "ms": 1.5},
+        {"tokens": 512, "arm": "sequential", "ms": 2.0},
+        {"tokens": 512, "arm": "fast", "ms": 1.99},  # within noise
+        {"tokens": 1024, "arm": "sequential", "ms": 4.0},
+        {"tokens": 1024, "arm": "fast", "ms": 3.0},
+        {"tokens": 4096, "arm": "sequential", "ms": 9.0},
+        {"tokens": 4096, "arm": "fast", "ms": 6.0},
         {"tokens": 4096, "arm": "compute_only", "ms": 1.0},
     ]
     assert policy_from_op_rows(rows) == "sequential@0,fast@1024"
     layers = [
-        {"tokens": 1, "arm": "baseline", "ms_per_layer": 1.0}, {"tokens": 1, "arm": "auto", "ms_per_layer": 1.2},
-        {"tokens": 256, "arm": "baseline", "ms_per_layer": 2.0}, {"tokens": 256, "arm": "auto", "ms_per_layer": 1.9},
-        {"tokens": 512, "arm": "baseline", "ms_per_layer": 3.0}, {"tokens": 512, "arm": "auto", "ms_per_layer": 3.1},
-        {"tokens": 2048, "arm": "baseline", "ms_per_layer": 9.0}, {"tokens": 2048, "arm": "auto", "ms_per_layer": 8.0},
+        {"tokens": 1, "arm": "baseline", "ms_per_layer": 1.0},
+        {"tokens": 1, "arm": "auto", "ms_per_layer": 1.2},
+        {"tokens": 256, "arm": "baseline", "ms_per_layer": 2.0},
+        {"tokens": 256, "arm": "auto", "ms_per_layer": 1.9},
+        {"tokens": 512, "arm": "baseline", "ms_per_layer": 3.0},
+        {"tokens": 512, "arm": "auto", "ms_per_layer": 3.1},
+        {"tokens": 2048, "arm": "baseline", "ms_per_layer": 9.0},
+        {"tokens": 2048, "arm": "auto", "ms_per_layer": 8.0},
     ]
     assert sp_min_from_layer_rows(layers) == 2048  # 256 wins, but 512 loses again: only from 2048 on
     assert sp_min_from_layer_rows([r | {"ms_per_layer": 5.0} if r["arm"] == "auto" else r for r in layers[:2]]) == NEVER
@@ -61,11 +69,25 @@ def test_table_cache_roundtrip_corrupt_and_stale(tmp_path, monkeypatch, caplog):
 
 def test_site_shapes_of_llama3_8b():
     names = {s.name for s in site_shapes(get_preset("llama3-8b"), 2)}
-    assert names == {"ag_mm:4096x3072", "ag_mm:4096x14336", "ag_mm:4096x64128", "mm_rs:2048x4096", "mm_rs:7168x4096", "all_reduce:4096x4096",
-                     "all_reduce_rms_norm:4096x4096"}
+    assert names == {
+        "ag_mm:4096x3072",
+        "ag_mm:4096x14336",
+        "ag_mm:4096x64128",
+        "mm_rs:2048x4096",
+        "mm_rs:7168x4096",
+        "all_reduce:4096x4096",
+        "all_reduce_rms_norm:4096x4096",
+    }
     fp8_names = {s.name for s in site_shapes(get_preset("llama3-8b-fp8"), 2)}  # scaled matmuls; the LM head stays bf16
-    assert fp8_names == {"ag_scaled_mm:4096x3072", "ag_scaled_mm:4096x14336", "ag_mm:4096x64128", "scaled_mm_rs:2048x4096",
-                         "scaled_mm_rs:7168x4096", "all_reduce:4096x4096", "all_reduce_rms_norm:4096x4096"}
+    assert fp8_names == {
+        "ag_scaled_mm:4096x3072",
+        "ag_scaled_mm:4096x14336",
+        "ag_mm:4096x64128",
+        "scaled_mm_rs:2048x4096",
+        "scaled_mm_rs:7168x4096",
+        "all_reduce:4096x4096",
+        "all_reduce_rms_norm:4096x4096",
+    }
 
 
 def test_compile_follows_the_table():
@@ -74,7 +96,10 @@ def test_compile_follows_the_table():
     ar_policy = "sequential@0,symm_mem_one_shot@1"  # on CPU the op runs it as 'sequential'
     table = StrategyTable(
         key={},
-        policies={f"ag_mm:{cfg.hidden_size}x{qkv}": "sequential@0,symm_mem_fused@8", f"all_reduce:{cfg.hidden_size}x{cfg.hidden_size}": ar_policy},
+        policies={
+            f"ag_mm:{cfg.hidden_size}x{qkv}": "sequential@0,symm_mem_fused@8",
+            f"all_reduce:{cfg.hidden_size}x{cfg.hidden_size}": ar_policy,
+        },
         sp_min_tokens=8,
     )
     counts = [3, 8, 40]
@@ -93,7 +118,22 @@ def test_compile_follows_the_table():
 
 def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TPWEAVE_CACHE_DIR", str(tmp_path / "cache"))
-    common = ["--model", "tiny", "--tp", "2", "--dtype", "float32", "--layers", "1", "--reps", "2", "--inner", "1", "--warmup", "1"]
+    common = [
+        "--model",
+        "tiny",
+        "--tp",
+        "2",
+        "--dtype",
+        "float32",
+        "--layers",
+        "1",
+        "--reps",
+        "2",
+        "--inner",
+        "1",
+        "--warmup",
+        "1",
+    ]
     assert cli_main(["calibrate", *common, "--tokens", "3,32"]) == 0
     table = load_table(table_key(get_preset("tiny"), tp=2, dtype=torch.float32))
     assert table is not None and set(table.policies) == {s.name for s in site_shapes(get_preset("tiny"), 2)}
@@ -103,9 +143,13 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     result = json.loads((tmp_path / "out" / "layer-tiny-tp2-float32.json").read_text())
     assert result["meta"]["calibrated"] is True and result["meta"]["tp"] == 2
     layer_rows = [r for r in result["rows"] if r["what"] == "layer"]
-    assert {(r["tokens"], r["arm"]) for r in layer_rows} == {(m, a) for m in (5, 17) for a in ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")}
+    assert {(r["tokens"], r["arm"]) for r in layer_rows} == {
+        (m, a) for m in (5, 17) for a in ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")
+    }
     assert all(r["ms_per_layer"] > 0 for r in layer_rows)
-    assert {r["site"] for r in result["rows"] if r["what"] == "op"} == {s.name for s in site_shapes(get_preset("tiny"), 2)}
+    assert {r["site"] for r in result["rows"] if r["what"] == "op"} == {
+        s.name for s in site_shapes(get_preset("tiny"), 2)
+    }
     md = (tmp_path / "out" / "layer-tiny-tp2-float32.md").read_text()
     assert "## Decoder layer" in md and "compute_only" in md and "## Overlapped ops" in md
 
@@ -129,9 +173,17 @@ def test_strategies_with_symmetric_state_are_kept_out_of_inductor_cudagraphs():
     from tpweave.compiler.backend import PassOptions
 
     table_policies = (("all_reduce:8x8", "symm_mem_one_shot@0,sequential@512"),)
-    trees = PassOptions(sp=True, async_tp=True, ag_mm_policy="sequential@0,symm_mem_fused@2048", site_policies=table_policies, cudagraph_trees=True)
+    trees = PassOptions(
+        sp=True,
+        async_tp=True,
+        ag_mm_policy="sequential@0,symm_mem_fused@2048",
+        site_policies=table_policies,
+        cudagraph_trees=True,
+    )
     assert trees.policy("ag_mm", 4, 4) == "sequential@0,sequential@2048"
     assert trees.policy("all_reduce", 8, 8) == "sequential@0,sequential@512"
-    plain = PassOptions(sp=True, async_tp=True, ag_mm_policy="sequential@0,symm_mem_fused@2048", site_policies=table_policies)
+    plain = PassOptions(
+        sp=True, async_tp=True, ag_mm_policy="sequential@0,symm_mem_fused@2048", site_policies=table_policies
+    )
     assert plain.policy("ag_mm", 4, 4) == "sequential@0,symm_mem_fused@2048"
     assert plain.policy("all_reduce", 8, 8) == "symm_mem_one_shot@0,sequential@512"

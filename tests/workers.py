@@ -1,6 +1,8 @@
 """Functions the tests run on every rank through tpweave.launch (importable by spawned workers)."""
+
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -10,7 +12,6 @@ from tpweave.models import build_model
 from tpweave.models.config import DTYPES
 from tpweave.models.inputs import random_batch, split_tokens
 from tpweave.ops import collectives
-
 
 
 def batch_for(num_tokens: int, *, vocab_size: int, device, seed: int = 0):
@@ -116,12 +117,23 @@ def compiled_collectives_recompiles(ctx, token_counts):
 
 
 def _batch_shapes_ids(shapes, vocab, device):
-    return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape) * 7 + len(shape))).to(device) for shape in shapes]
+    return [
+        torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape) * 7 + len(shape))).to(device)
+        for shape in shapes
+    ]
 
 
 @torch.no_grad()
-def foreign_model_outputs(ctx, shapes, compile_kwargs=None, seed=0, fail_pass=False, fail_inductor=False, model_name="ForeignModel",
-                          **model_kwargs):
+def foreign_model_outputs(
+    ctx,
+    shapes,
+    compile_kwargs=None,
+    seed=0,
+    fail_pass=False,
+    fail_inductor=False,
+    model_name="ForeignModel",
+    **model_kwargs,
+):
     """Eager (and, if compile_kwargs is given, compiled) outputs of a model of tests/foreign_models."""
     import foreign_models
     import tpweave
@@ -150,13 +162,18 @@ def foreign_model_outputs(ctx, shapes, compile_kwargs=None, seed=0, fail_pass=Fa
         rep = tpweave.report(compiled)
         result["report"] = str(rep)
         result["num_compiles"] = rep.num_compiles
-        result["graphs"] = [(g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites], g.notes) for g in rep.graphs]
+        result["graphs"] = [
+            (g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites], g.notes)
+            for g in rep.graphs
+        ]
         result["calls"] = dict(compiled.calls)
     return result
 
 
 @torch.no_grad()
-def llama_compiled_outputs(ctx, source, token_counts, dtype_names=("float32",), compile_kwargs=None, seed=0, **overrides):
+def llama_compiled_outputs(
+    ctx, source, token_counts, dtype_names=("float32",), compile_kwargs=None, seed=0, **overrides
+):
     """For each dtype: compiled and eager logits for every M, plus the report."""
     import tpweave
 
@@ -170,7 +187,10 @@ def llama_compiled_outputs(ctx, source, token_counts, dtype_names=("float32",), 
             out[(name, m, "eager")] = model(*batch.args()).float().cpu()
         rep = tpweave.report(compiled)
         out[(name, "report")] = str(rep)
-        out[(name, "graphs")] = [(g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites]) for g in rep.graphs]
+        out[(name, "graphs")] = [
+            (g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites])
+            for g in rep.graphs
+        ]
         out[(name, "num_compiles")] = rep.num_compiles
         out[(name, "strategies_at_1")] = sorted(compiled.strategies_at(1))
     return out
@@ -222,8 +242,9 @@ def gpu_sp_vs_plain(ctx, preset, token_counts, cudagraphs, num_layers=2):
 @torch.no_grad()
 def gpu_piecewise(ctx, preset, token_counts, num_layers=2):
     """SP + async TP with Inductor graph partition at tpweave::attention and CUDA graphs per partition."""
-    import tpweave
     from torch._inductor.utils import run_and_get_code
+
+    import tpweave
 
     model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
     piecewise = tpweave.compile(model, sp=True, sp_min_tokens=0, cudagraphs=True, piecewise=True)
@@ -258,7 +279,9 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
         w2 = torch.randn(k, n, device=ctx.device, dtype=dtype, generator=gen).t() * n**-0.5
         for name, strategy in STRATEGIES.items():
             if strategy.ag_mm is not None:
-                ag = torch.ops.tpweave.ag_mm(x_local, [w, w[:, : n // 2]], [None, None], [m], ctx.group_name, ctx.world_size, name)
+                ag = torch.ops.tpweave.ag_mm(
+                    x_local, [w, w[:, : n // 2]], [None, None], [m], ctx.group_name, ctx.world_size, name
+                )
                 rs = torch.ops.tpweave.mm_rs(a, w2, ctx.group_name, ctx.world_size, name)
                 out[(name, m)] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
             if strategy.ag_scaled_mm is not None and dtype == torch.bfloat16:
@@ -268,11 +291,15 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
                 wq, ws = fp8.quantize_weight(w.t(), per_channel=True)
                 aq, as_ = fp8.quantize_rows(a)
                 w2q, w2s = fp8.quantize_weight(w2.t(), per_channel=True)
-                ag = torch.ops.tpweave.ag_scaled_mm(xq, xs, [wq], [ws], [None], [m], ctx.group_name, ctx.world_size, dtype, name)
+                ag = torch.ops.tpweave.ag_scaled_mm(
+                    xq, xs, [wq], [ws], [None], [m], ctx.group_name, ctx.world_size, dtype, name
+                )
                 rs = torch.ops.tpweave.scaled_mm_rs(aq, as_, w2q, w2s, ctx.group_name, ctx.world_size, dtype, name)
                 out[(name, m, "fp8")] = [t.float().cpu() for t in ag] + [rs.float().cpu()]
             if strategy.all_reduce is not None:
-                out[(name, m, "all_reduce")] = torch.ops.tpweave.all_reduce(a, ctx.group_name, ctx.world_size, name).float().cpu()
+                out[(name, m, "all_reduce")] = (
+                    torch.ops.tpweave.all_reduce(a, ctx.group_name, ctx.world_size, name).float().cpu()
+                )
         out[("nccl", m, "all_reduce")] = collectives.all_reduce(a.clone(), ctx.group_name).float().cpu()
     return out
 
@@ -281,7 +308,7 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
 def style_outputs(ctx, styles, token_counts, compile_model=True, compile_kwargs=None):
     """{style: ([eager outputs], [compiled outputs], report)} for tests/style_models.StyleModel."""
     import tpweave
-    from style_models import V, StyleModel
+    from style_models import StyleModel, V
 
     results = {}
     for style in styles:
@@ -296,8 +323,15 @@ def style_outputs(ctx, styles, token_counts, compile_model=True, compile_kwargs=
             compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
             compiled_out = [flat(compiled(ids)) for ids in inputs]
             rep = tpweave.report(compiled)
-            rep = (rep.num_compiles, [(g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites])
-                                      for g in rep.graphs], str(rep), [(s.kind, s.action, s.reason) for g in rep.graphs for s in g.sites])
+            rep = (
+                rep.num_compiles,
+                [
+                    (g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites])
+                    for g in rep.graphs
+                ],
+                str(rep),
+                [(s.kind, s.action, s.reason) for g in rep.graphs for s in g.sites],
+            )
         results[style] = (eager, compiled_out, rep)
     return results
 
@@ -307,7 +341,7 @@ def reported_dynamo_limits(ctx, token_counts):
     """A model with a graph break, then Dynamo's recompile limit (set to 1 here) shared by three models
     of one class: {name: ([(compiled, eager) outputs], notes, num_compiles)}."""
     import tpweave
-    from style_models import V, StyleModel
+    from style_models import StyleModel, V
 
     inputs = [torch.randint(0, V, (m,), generator=torch.Generator().manual_seed(m)) for m in token_counts]
     results = {}
@@ -343,8 +377,12 @@ def gpu_engine_generate(ctx, model, prompts, max_tokens, engine_kwargs):
     engine = LLMEngine(ctx, model, **engine_kwargs)
     results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     runner = engine.runner
-    return results, {"num_graphs": len(runner.graphs), "num_graph_replays": runner.num_graph_replays,
-                     "num_blocks": runner.num_blocks, "num_steps": engine.num_steps}
+    return results, {
+        "num_graphs": len(runner.graphs),
+        "num_graph_replays": runner.num_graph_replays,
+        "num_blocks": runner.num_blocks,
+        "num_steps": engine.num_steps,
+    }
 
 
 def gpu_teacher_forced(ctx, model, sequences, num_layers=None):
@@ -415,7 +453,11 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
     from tpweave.ops.overlap import STRATEGIES
 
     if names is None:
-        names = [n for n, s in STRATEGIES.items() if (s.all_reduce_rms_norm or s.all_reduce) and s.available(torch.empty(0, device=ctx.device))]
+        names = [
+            n
+            for n, s in STRATEGIES.items()
+            if (s.all_reduce_rms_norm or s.all_reduce) and s.available(torch.empty(0, device=ctx.device))
+        ]
     out = {"names": names, "worst": {}, "h_fingerprint": {}}
 
     def partials(m, hidden, seed):
@@ -427,12 +469,22 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
         for m in token_counts:
             x, summed = partials(m, hidden, m * 31 + hidden)
             res = _draw(m * 31 + hidden + 7, m, hidden, device=ctx.device)
-            w = torch.rand(hidden, device=ctx.device, dtype=torch.bfloat16, generator=torch.Generator(device=ctx.device).manual_seed(m)) + 0.5
+            w = (
+                torch.rand(
+                    hidden,
+                    device=ctx.device,
+                    dtype=torch.bfloat16,
+                    generator=torch.Generator(device=ctx.device).manual_seed(m),
+                )
+                + 0.5
+            )
             for residual in (res, None):
                 for in_fp32 in (False, True):
                     want = rms_norm.add_rms_norm_reference(summed, residual, w, eps=1e-5, weight_in_fp32=in_fp32)
                     for name in names:
-                        got = torch.ops.tpweave.all_reduce_rms_norm(x, residual, w, 1e-5, in_fp32, ctx.group_name, ctx.world_size, name)
+                        got = torch.ops.tpweave.all_reduce_rms_norm(
+                            x, residual, w, 1e-5, in_fp32, ctx.group_name, ctx.world_size, name
+                        )
                         key = (name, hidden, m, residual is not None, in_fp32)
                         out["worst"][key] = max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, want))
                         out["h_fingerprint"][key] = _fingerprint(got[1])
@@ -446,7 +498,9 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
             x = torch.zeros(m, hidden, device=ctx.device, dtype=torch.bfloat16)
             res = torch.zeros_like(x)
             w = torch.ones(hidden, device=ctx.device, dtype=torch.bfloat16)
-            op = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, res, w, 1e-5, False, ctx.group_name, ctx.world_size, name)  # noqa: E731
+            op = functools.partial(
+                torch.ops.tpweave.all_reduce_rms_norm, x, res, w, 1e-5, False, ctx.group_name, ctx.world_size, name
+            )
             op()
             graph, (y_g, h_g) = capture_graph(op)
             for step in range(20):
@@ -455,7 +509,11 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
                 res.copy_(_draw(2000 + step, m, hidden, device=ctx.device))
                 graph.replay()
                 want = rms_norm.add_rms_norm_reference(summed, res, w, eps=1e-5, weight_in_fp32=False)
-                worst = max(worst, float((y_g.float() - want[0].float()).abs().max()), float((h_g.float() - want[1].float()).abs().max()))
+                worst = max(
+                    worst,
+                    float((y_g.float() - want[0].float()).abs().max()),
+                    float((h_g.float() - want[1].float()).abs().max()),
+                )
                 if step % 5 == 4:  # an eager call in between: the next replay finds the buffers one call on
                     op()
             del graph
@@ -477,7 +535,9 @@ def gpu_peer_never_arrives(ctx, name, log_path):
     if name.startswith("triton_ar_norm"):
         call = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, x, w, 1e-5, False, ctx.group_name, ctx.world_size, name)  # noqa: E731
     else:
-        call = lambda: torch.ops.tpweave.ag_mm(x, [x.t()], [None], [64 * ctx.world_size], ctx.group_name, ctx.world_size, name)  # noqa: E731
+        call = functools.partial(
+            torch.ops.tpweave.ag_mm, x, [x.t()], [None], [64 * ctx.world_size], ctx.group_name, ctx.world_size, name
+        )
     call()
     torch.cuda.synchronize()
     dist.barrier()
@@ -512,7 +572,11 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
     from tpweave.ops.overlap import STRATEGIES
 
     strategy, tp, rank, dev = STRATEGIES[name], ctx.world_size, ctx.rank, ctx.device
-    ops = [op for op in ("ag_mm", "mm_rs", "mm_rs_rms_norm", "ag_scaled_mm", "scaled_mm_rs") if getattr(strategy, op) is not None]
+    ops = [
+        op
+        for op in ("ag_mm", "mm_rs", "mm_rs_rms_norm", "ag_scaled_mm", "scaled_mm_rs")
+        if getattr(strategy, op) is not None
+    ]
     if "ag_scaled_mm" in ops and not fp8.has_scaled_mm("cuda"):
         ops = [op for op in ops if op not in ("ag_scaled_mm", "scaled_mm_rs")]
     w = _draw(7, n, k, device=dev).t() * k**-0.5  # (k, n)
@@ -549,7 +613,9 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
         if "ag_scaled_mm" in ops:
             quantized = [fp8.quantize_rows(s) for s in shards]
             full_q, full_s = torch.cat([q for q, _ in quantized])[:m], torch.cat([s for _, s in quantized])[:m]
-            want.update(fp8_gathered=full_q.float(), fp8_scale=full_s, fp8_out=dequant(full_q, full_s) @ dequant(wq, ws).t())
+            want.update(
+                fp8_gathered=full_q.float(), fp8_scale=full_s, fp8_out=dequant(full_q, full_s) @ dequant(wq, ws).t()
+            )
         if "scaled_mm_rs" in ops:
             want["fp8_rs"] = sum(dequant(*fp8.quantize_rows(p)) @ dequant(w2q, w2s).t() for p in partials)[mine_rows]
         return want
@@ -557,21 +623,32 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
     def run(mine):  # m: the loop's current token count
         got, g = {}, ctx.group_name
         if "ag_mm" in ops:
-            got["gathered"], got["out"], got["out_bias"] = torch.ops.tpweave.ag_mm(mine["x"], [w, w[:, : n // 2]], [None, bias], [m], g, tp, name)
+            got["gathered"], got["out"], got["out_bias"] = torch.ops.tpweave.ag_mm(
+                mine["x"], [w, w[:, : n // 2]], [None, bias], [m], g, tp, name
+            )
         if "mm_rs" in ops:
             got["rs"] = torch.ops.tpweave.mm_rs(mine["a"], w2, g, tp, name)
         if "mm_rs_rms_norm" in ops:
-            got["norm_y"], got["norm_h"] = torch.ops.tpweave.mm_rs_rms_norm(mine["a"], w2, mine["res"], norm_w, 1e-5, False, g, tp, name)
+            got["norm_y"], got["norm_h"] = torch.ops.tpweave.mm_rs_rms_norm(
+                mine["a"], w2, mine["res"], norm_w, 1e-5, False, g, tp, name
+            )
         if "ag_scaled_mm" in ops:
             got["fp8_gathered"], got["fp8_scale"], got["fp8_out"] = torch.ops.tpweave.ag_scaled_mm(
-                mine["xq"], mine["xs"], [wq], [ws], [None], [m], g, tp, torch.bfloat16, name)
+                mine["xq"], mine["xs"], [wq], [ws], [None], [m], g, tp, torch.bfloat16, name
+            )
         if "scaled_mm_rs" in ops:
-            got["fp8_rs"] = torch.ops.tpweave.scaled_mm_rs(mine["aq"], mine["as"], w2q, w2s, g, tp, torch.bfloat16, name)
+            got["fp8_rs"] = torch.ops.tpweave.scaled_mm_rs(
+                mine["aq"], mine["as"], w2q, w2s, g, tp, torch.bfloat16, name
+            )
         return got
 
     def worst(got, want):
-        return {key: float((got[key].float()[: len(r)] - r).abs().max() / max(1.0, float(r.abs().max()))) if r.numel() else 0.0
-                for key, r in want.items()}
+        return {
+            key: float((got[key].float()[: len(r)] - r).abs().max() / max(1.0, float(r.abs().max())))
+            if r.numel()
+            else 0.0
+            for key, r in want.items()
+        }
 
     out = {"ops": ops, "available": strategy.available(w)}
     for m in token_counts:
@@ -610,8 +687,12 @@ def dtensor_model_outputs(ctx, shapes, compile_kwargs):
     rep = tpweave.report(compiled)
     # every other call by keyword: M comes from keyword arguments too
     outs = [compiled(ids) if i % 2 else compiled(ids_BS=ids) for i, ids in enumerate(inputs)]
-    return {"eager": eager, "compiled": outs, "num_compiles": rep.num_compiles,
-            "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs]}
+    return {
+        "eager": eager,
+        "compiled": outs,
+        "num_compiles": rep.num_compiles,
+        "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
+    }
 
 
 def _compiled_hf_logits(model, inputs, want) -> dict:
@@ -621,8 +702,13 @@ def _compiled_hf_logits(model, inputs, want) -> dict:
     compiled = tpweave.compile(model, sp_min_tokens=0)
     got = [compiled(input_ids=ids).logits for ids in inputs]
     rep = tpweave.report(compiled)
-    return {"want": want, "got": got, "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
-            "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes], "report": str(rep)}
+    return {
+        "want": want,
+        "got": got,
+        "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
+        "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes],
+        "report": str(rep),
+    }
 
 
 @torch.no_grad()
@@ -634,18 +720,32 @@ def hf_model_outputs(ctx, arch, shapes):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                             "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[arch]
-    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                        attn_implementation="sdpa" if arch == "llama" else "eager")  # Gemma-2's soft-capping: no SDPA
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        attn_implementation="sdpa" if arch == "llama" else "eager",
+    )  # Gemma-2's soft-capping: no SDPA
     torch.manual_seed(0)
     model = model_cls(config).eval()
     inputs = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape))) for shape in shapes]
     want = [model(input_ids=ids).logits for ids in inputs]
     plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
-    plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-             "mlp.down_proj": RowwiseParallel()}
+    plan |= {
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
@@ -661,7 +761,9 @@ def tp_subgroup_outputs(ctx, token_counts, tp):
     import tpweave
     from tpweave.runtime.context import TPContext
 
-    groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, ctx.world_size, tp)]  # every rank creates every group
+    groups = [
+        dist.new_group(list(range(start, start + tp))) for start in range(0, ctx.world_size, tp)
+    ]  # every rank creates every group
     group = groups[ctx.rank // tp]
     model = build_model("tiny", tp=TPContext.from_group(group, device=ctx.device), dtype=torch.float32, seed=0)
     compiled = tpweave.compile(model, group=group, sp_min_tokens=0)
@@ -712,9 +814,19 @@ def hf_tp_plan_outputs(ctx, arch, shapes, path):
 
     if ctx.rank == 0:
         config = transformers.AutoConfig.for_model(
-            arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, num_local_experts=4,
-            num_experts_per_tok=2)
+            arch,
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     dist.barrier()

@@ -3,6 +3,7 @@ under each all-reduce / all-reduce + norm policy, and the layer time per arm.
 
     PYTHONPATH=src python benchmarks/probes/decode_layer_kernels.py --tokens 1,8,64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,10 @@ def work(ctx, tokens: list[int]):
         timings = time_arms(fns, group=ctx.group, reps=9, warmup=3, inner=5)
         kernels = {name: kernel_times(fn) for name, fn in fns.items()}
         if ctx.rank == 0:
-            print(f"=== M={m}: us per 2 layers: " + "  ".join(f"{n} {t.median_ms * 1e3:.1f}" for n, t in timings.items()), flush=True)
+            print(
+                f"=== M={m}: us per 2 layers: " + "  ".join(f"{n} {t.median_ms * 1e3:.1f}" for n, t in timings.items()),
+                flush=True,
+            )
             for name, ks in kernels.items():
                 print(f"--- {name}: GPU kernel sum {sum(ks.values()):.1f} us")
                 for k, us in list(ks.items())[:14]:

@@ -11,6 +11,7 @@ the number of graphs, the collectives before / after the passes, and the report'
 Needs transformers and accelerate; CPU (gloo) is enough. One architecture per process is cleaner:
 Dynamo's recompile limit is shared by every model of one class in a process.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,17 +26,40 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 import tpweave
 
 SHAPES = [(1, 1), (2, 3), (3, 16), (1, 33)]
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, moe_intermediate_size=32, num_experts=4,
-            num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64, pad_token_id=0,
-            n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            rotary_dim=8)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_expert_intermediate_size=64,
+    pad_token_id=0,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    rotary_dim=8,
+)
 
 
 # architectures whose layer pattern comes from periods, not from a per-layer list
-PATTERN = {"jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
-           "bamba": dict(attn_layer_indices=[1])}
+PATTERN = {
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "bamba": dict(attn_layer_indices=[1]),
+}
 
 
 def tiny_config(arch: str):
@@ -47,7 +71,9 @@ def tiny_config(arch: str):
     names = {key: default.attribute_map.get(key, key) for key in TINY}
     kwargs = {names[key]: value for key, value in TINY.items() if names[key] in fields}
     num_layers = default.num_hidden_layers
-    per_layer = {k: v for k, v in fields.items() if isinstance(v, list) and len(v) == num_layers and k.endswith("types")}
+    per_layer = {
+        k: v for k, v in fields.items() if isinstance(v, list) and len(v) == num_layers and k.endswith("types")
+    }
     if per_layer:
         kinds = list(zip(*per_layer.values()))
         keep = sorted({kinds.index(kind) for kind in kinds})
@@ -78,9 +104,13 @@ def check(arch: str, root: str, rank: int, stage: list[str]) -> dict:
     got = [compiled(input_ids=ids).logits for ids in inputs]
     rep = tpweave.report(compiled)
     err = lambda outs: max((o.float() - w).abs().max().item() for o, w in zip(outs, want))  # noqa: E731
-    return {"eager_err": err(eager), "compiled_err": err(got), "num_graphs": rep.num_compiles,
-            "graphs": [(g.counts_before, g.counts_after) for g in rep.graphs],
-            "notes": list(dict.fromkeys(list(rep.notes) + [n for g in rep.graphs for n in g.notes]))}
+    return {
+        "eager_err": err(eager),
+        "compiled_err": err(got),
+        "num_graphs": rep.num_compiles,
+        "graphs": [(g.counts_before, g.counts_after) for g in rep.graphs],
+        "notes": list(dict.fromkeys(list(rep.notes) + [n for g in rep.graphs for n in g.notes])),
+    }
 
 
 def main() -> None:
@@ -92,7 +122,10 @@ def main() -> None:
         try:
             result = check(arch, root, rank, stage)
         except Exception as e:  # noqa: BLE001  (a probe: report and go on)
-            result = {"error": f"{stage[0]}: {type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-1500:]}
+            result = {
+                "error": f"{stage[0]}: {type(e).__name__}: {e}"[:500],
+                "traceback": traceback.format_exc()[-1500:],
+            }
         if rank == 0:
             print(arch, json.dumps(result), flush=True)
     dist.destroy_process_group()

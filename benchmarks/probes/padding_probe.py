@@ -8,6 +8,7 @@ For each M the same ops at the next multiple of TP are timed too, so the cost of
 
     PYTHONPATH=src python benchmarks/probes/padding_probe.py --tokens 1023,2047,4095 --out probe.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def work(ctx, tokens: list[int]):
                         return full @ w
 
                     for name in ("sequential", "symm_mem_fused", "ce_overlap"):
-                        arms[f"padded {name}" if name != "ce_overlap" else "inside ce_overlap"] = (
-                            lambda name=name: torch.ops.tpweave.ag_mm(x, [w], [None], [m], group, ws, name, False))
+                        arms[f"padded {name}" if name != "ce_overlap" else "inside ce_overlap"] = lambda name=name: (
+                            torch.ops.tpweave.ag_mm(x, [w], [None], [m], group, ws, name, False)
+                        )
                     arms["uneven sequential"] = uneven_ag
                 else:
                     a = torch.randn(m, k, device=dev, dtype=dt)
@@ -63,14 +65,20 @@ def work(ctx, tokens: list[int]):
                         return out
 
                     for name in ("sequential", "symm_mem_fused", "ce_overlap"):
-                        arms[f"padded {name}" if name != "ce_overlap" else "inside ce_overlap"] = (
-                            lambda name=name: torch.ops.tpweave.mm_rs(a, w, group, ws, name))
+                        arms[f"padded {name}" if name != "ce_overlap" else "inside ce_overlap"] = lambda name=name: (
+                            torch.ops.tpweave.mm_rs(a, w, group, ws, name)
+                        )
                     arms["uneven sequential"] = uneven_rs
                 timings = time_arms(arms, group=pg, reps=9, warmup=3, inner=5)
                 for arm, t in timings.items():
-                    rows_out.append({"site": label, "tokens": m, "odd_of": m_odd, "arm": arm, "ms": t.median_ms, "spread": t.spread})
+                    rows_out.append(
+                        {"site": label, "tokens": m, "odd_of": m_odd, "arm": arm, "ms": t.median_ms, "spread": t.spread}
+                    )
                 if ctx.rank == 0:
-                    print(f"{label} M={m}: " + "  ".join(f"{a} {t.median_ms * 1e3:.1f}us" for a, t in timings.items()), flush=True)
+                    print(
+                        f"{label} M={m}: " + "  ".join(f"{a} {t.median_ms * 1e3:.1f}us" for a, t in timings.items()),
+                        flush=True,
+                    )
     return rows_out
 
 

@@ -8,6 +8,7 @@ traffic a copy-engine push adds; on one GPU there is no NVLink).
 
     PYTHONPATH=src python benchmarks/probes/split_gemm_probe.py --tp 2 --out split.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,10 @@ def main() -> None:
                     out = torch.empty(m, site.n, device=dev, dtype=dt)
                     rows = -(-m // tp)
                     chunks = [(lo, min(lo + rows, m)) for lo in range(0, m, rows)]
-                    src, dst = torch.randn(rows, site.k, device=dev, dtype=dt), torch.empty(rows, site.k, device=dev, dtype=dt)
+                    src, dst = (
+                        torch.randn(rows, site.k, device=dev, dtype=dt),
+                        torch.empty(rows, site.k, device=dev, dtype=dt),
+                    )
 
                     def chunked(two_streams: bool, with_copy: bool):
                         main, compute, copier = torch.cuda.current_stream(), streams[0], streams[1]
@@ -72,14 +76,32 @@ def main() -> None:
                     }
                     timings = time_arms(arms, reps=11, warmup=3, inner=10)
                     base = timings["one_gemm"].median_ms
-                    row = {"model": model, "site": site.name, "tokens": m,
-                           **{name: round(t.median_ms * 1e3, 1) for name, t in timings.items()},
-                           **{f"{name}_vs_one": round(t.median_ms / base, 3) for name, t in timings.items() if name != "one_gemm"}}
+                    row = {
+                        "model": model,
+                        "site": site.name,
+                        "tokens": m,
+                        **{name: round(t.median_ms * 1e3, 1) for name, t in timings.items()},
+                        **{
+                            f"{name}_vs_one": round(t.median_ms / base, 3)
+                            for name, t in timings.items()
+                            if name != "one_gemm"
+                        },
+                    }
                     rows_out.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp, "unit": "us", "rows": rows_out}, f, indent=1)
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "tp": tp,
+                    "unit": "us",
+                    "rows": rows_out,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

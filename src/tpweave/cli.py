@@ -1,4 +1,5 @@
 """`tpweave demo | ...`: the command-line entry point."""
+
 from __future__ import annotations
 
 import argparse
@@ -49,18 +50,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     nprocs = args.tp
     print(f"tpweave demo: model={args.model} tp={nprocs} tokens={args.tokens} dtype={args.dtype}", flush=True)
-    results = launch(_demo_worker, args.model, args.tokens, args.dtype, not args.no_compile, nprocs=nprocs, timeout_s=args.timeout)
+    results = launch(
+        _demo_worker, args.model, args.tokens, args.dtype, not args.no_compile, nprocs=nprocs, timeout_s=args.timeout
+    )
     s = results[0]
     print(f"backend={s['backend']} device={s['device']} params/rank={s['params_per_rank']:,}")
     print(f"logits {s['logits_shape']}, greedy next tokens of the last 4 rows: {s['greedy_next_tokens']}")
     equal = True
     if "report" in s:
         print(s["report"])
-        print(f"compiled graphs: {s['num_compiles']} (M={args.tokens} and M=1: per variant one graph serves every M >= 2, M = 1 gets its own)")
+        print(
+            f"compiled graphs: {s['num_compiles']} (M={args.tokens} and M=1: per variant one graph serves every M "
+            ">= 2, M = 1 gets its own)"
+        )
         worst = max(max(r["max_abs_diff_vs_eager"], r["max_abs_diff_vs_eager_m1"]) for r in results)
         equal = worst <= _DEMO_TOLERANCE[args.dtype]
-        print(f"equivalence: max |compiled SP+async-TP - eager TP| over all ranks = {worst:.3e} (M={args.tokens} and M=1): "
-              + ("within" if equal else "NOT within") + f" {_DEMO_TOLERANCE[args.dtype]:g}")
+        print(
+            f"equivalence: max |compiled SP+async-TP - eager TP| over all ranks = {worst:.3e} (M={args.tokens} "
+            "and M=1): " + ("within" if equal else "NOT within") + f" {_DEMO_TOLERANCE[args.dtype]:g}"
+        )
     agree = all(r["greedy_next_tokens"] == s["greedy_next_tokens"] for r in results)
     print(f"all {nprocs} ranks agree on the output: {agree}")
     return 0 if agree and equal else 1
@@ -97,7 +105,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     get_preset(args.model).check_tp(args.tp)
     settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
-    table_json, path = launch(_calibrate_worker, args.model, args.dtype, args.tokens, settings, args.layers, nprocs=args.tp, timeout_s=args.timeout)[0]
+    table_json, path = launch(
+        _calibrate_worker,
+        args.model,
+        args.dtype,
+        args.tokens,
+        settings,
+        args.layers,
+        nprocs=args.tp,
+        timeout_s=args.timeout,
+    )[0]
     table = StrategyTable.from_json(table_json)
     print(f"calibration table written to {path}")
     for site, policy in sorted(table.policies.items()):
@@ -110,7 +127,9 @@ def _bench_layer_worker(ctx, model, dtype_name, tokens, settings, num_layers, wi
     from tpweave.bench.layer import bench_layers, bench_ops
 
     table = _cached_table(model, ctx.world_size, dtype_name)
-    rows = bench_layers(ctx, model, tokens, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table)
+    rows = bench_layers(
+        ctx, model, tokens, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table
+    )
     if with_ops:
         rows += bench_ops(ctx, model, tokens, dtype_name=dtype_name, settings=settings)
     return rows, table is not None
@@ -124,10 +143,28 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
 
     get_preset(args.model).check_tp(args.tp)
     settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
-    rows, calibrated = launch(_bench_layer_worker, args.model, args.dtype, args.tokens, settings, args.layers, not args.no_ops,
-                              nprocs=args.tp, timeout_s=args.timeout)[0]
-    meta = run_metadata({"model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.layers, "calibrated": calibrated,
-                         "reps": args.reps, "inner": args.inner})
+    rows, calibrated = launch(
+        _bench_layer_worker,
+        args.model,
+        args.dtype,
+        args.tokens,
+        settings,
+        args.layers,
+        not args.no_ops,
+        nprocs=args.tp,
+        timeout_s=args.timeout,
+    )[0]
+    meta = run_metadata(
+        {
+            "model": args.model,
+            "tp": args.tp,
+            "dtype": args.dtype,
+            "layers_timed": args.layers,
+            "calibrated": calibrated,
+            "reps": args.reps,
+            "inner": args.inner,
+        }
+    )
     print(markdown_table([r for r in rows if r["what"] == "layer"], LAYER_COLUMNS))
     name = args.name or f"layer-{args.model}-tp{args.tp}-{args.dtype}"
     json_path, md_path = write_results(args.out, name, meta, rows)
@@ -157,8 +194,17 @@ def _bench_latency_worker(ctx, model, dtype_name, num_layers, prefill, decode, s
     from tpweave.bench.latency import bench_latency
 
     table = _cached_table(model, ctx.world_size, dtype_name)
-    rows, kernels, problems = bench_latency(ctx, model, dtype_name=dtype_name, num_layers=num_layers, prefill=prefill,
-                                            decode=decode, settings=settings, table=table, verify=verify)
+    rows, kernels, problems = bench_latency(
+        ctx,
+        model,
+        dtype_name=dtype_name,
+        num_layers=num_layers,
+        prefill=prefill,
+        decode=decode,
+        settings=settings,
+        table=table,
+        verify=verify,
+    )
     return rows, kernels, problems, table is not None
 
 
@@ -175,11 +221,31 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         raise ValueError(f"lengths {too_long} exceed the model's {cfg.max_position_embeddings} positions")
     settings = BenchSettings(reps=args.reps, warmup=args.warmup, inner=args.inner)
     rows, kernels, problems, calibrated = launch(
-        _bench_latency_worker, args.model, args.dtype, args.layers, args.prefill, args.decode, settings, not args.no_verify,
-        nprocs=args.tp, timeout_s=args.timeout)[0]
-    meta = run_metadata({"kind": "latency", "model": args.model, "tp": args.tp, "dtype": args.dtype,
-                         "layers": args.layers or cfg.num_layers, "calibrated": calibrated, "reps": args.reps, "inner": args.inner,
-                         "kernels": kernels, "verification_problems": problems})
+        _bench_latency_worker,
+        args.model,
+        args.dtype,
+        args.layers,
+        args.prefill,
+        args.decode,
+        settings,
+        not args.no_verify,
+        nprocs=args.tp,
+        timeout_s=args.timeout,
+    )[0]
+    meta = run_metadata(
+        {
+            "kind": "latency",
+            "model": args.model,
+            "tp": args.tp,
+            "dtype": args.dtype,
+            "layers": args.layers or cfg.num_layers,
+            "calibrated": calibrated,
+            "reps": args.reps,
+            "inner": args.inner,
+            "kernels": kernels,
+            "verification_problems": problems,
+        }
+    )
     print(markdown_table([r for r in rows if r["what"] == "prefill"], PREFILL_COLUMNS))
     print(markdown_table([r for r in rows if r["what"] == "decode"], DECODE_COLUMNS))
     name = args.name or f"latency-{args.model}-tp{args.tp}-{args.dtype}"
@@ -204,13 +270,23 @@ def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, 
         for workload, rate, requests in workloads:
             recs = run_requests(ctx, engine, requests, seed=seed)
             records[f"{arm}/{workload}/{rate}"] = recs
-            rows.append({"what": "serve", "workload": workload, "rate": rate, "arm": arm, **summarize(recs),
-                         "errors": sorted({r["error"] for r in recs if r["error"]})[:5]})
+            rows.append(
+                {
+                    "what": "serve",
+                    "workload": workload,
+                    "rate": rate,
+                    "arm": arm,
+                    **summarize(recs),
+                    "errors": sorted({r["error"] for r in recs if r["error"]})[:5],
+                }
+            )
         release_engine(engine)
         engine = None  # noqa: F841  (drop the last reference before the next arm allocates)
     for r in rows:
         base = next(b for b in rows if b["arm"] == arms[0] and (b["workload"], b["rate"]) == (r["workload"], r["rate"]))
-        r["vs_baseline"] = r["output_token_throughput"] / base["output_token_throughput"] if base["output_token_throughput"] else None
+        r["vs_baseline"] = (
+            r["output_token_throughput"] / base["output_token_throughput"] if base["output_token_throughput"] else None
+        )
     return rows, records
 
 
@@ -230,20 +306,52 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     workloads = []
     for rate in args.rates:
         if args.requests_file:
-            workloads.append((Path(args.requests_file).name, rate, load_requests(args.requests_file, rate=rate, seed=args.seed)))
+            workloads.append(
+                (Path(args.requests_file).name, rate, load_requests(args.requests_file, rate=rate, seed=args.seed))
+            )
             continue
         for name in args.workload.split(","):
             if name not in WORKLOADS:
                 raise ValueError(f"unknown workload {name!r}: choose from {sorted(WORKLOADS)} or give --requests-file")
-            workloads.append((name, rate, poisson_requests(num_requests=args.num_requests, rate=rate, lengths=WORKLOADS[name], seed=args.seed)))
-    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "max_model_len": args.max_model_len, "block_size": args.block_size}
+            workloads.append(
+                (
+                    name,
+                    rate,
+                    poisson_requests(
+                        num_requests=args.num_requests, rate=rate, lengths=WORKLOADS[name], seed=args.seed
+                    ),
+                )
+            )
+    engine_kwargs = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+    }
     if args.layers:
         engine_kwargs["num_layers"] = args.layers
-    rows, records = launch(_bench_serve_worker, args.model, args.dtype, arms, workloads, engine_kwargs, args.seed,
-                           nprocs=args.tp, timeout_s=args.timeout)[0]
-    meta = run_metadata({"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype,
-                         "layers": args.layers or cfg.num_layers, "num_requests": args.num_requests, **engine_kwargs})
+    rows, records = launch(
+        _bench_serve_worker,
+        args.model,
+        args.dtype,
+        arms,
+        workloads,
+        engine_kwargs,
+        args.seed,
+        nprocs=args.tp,
+        timeout_s=args.timeout,
+    )[0]
+    meta = run_metadata(
+        {
+            "kind": "serve",
+            "model": args.model,
+            "tp": args.tp,
+            "dtype": args.dtype,
+            "layers": args.layers or cfg.num_layers,
+            "num_requests": args.num_requests,
+            **engine_kwargs,
+        }
+    )
     print(markdown_table(rows, SERVE_COLUMNS))
     name = args.name or f"serve-{args.model}-tp{args.tp}-{args.dtype}"
     json_path, md_path = write_results(args.out, name, meta, rows)
@@ -301,7 +409,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg.check_tp(args.tp)
     tok = _tokenizer(args.model)
     if args.prompt and tok is None:
-        raise ValueError("--prompt needs a model directory with a tokenizer (and transformers installed); use --prompt-ids")
+        raise ValueError(
+            "--prompt needs a model directory with a tokenizer (and transformers installed); use --prompt-ids"
+        )
     if args.prompt:
         prompts = [tok.encode(p) for p in args.prompt]
     elif args.prompt_ids:
@@ -309,13 +419,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         rng = random.Random(0)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(4, 64))] for _ in range(args.num_prompts)]
-    engine_kwargs = {"dtype": DTYPES[args.dtype], "block_size": args.block_size, "num_blocks": args.num_blocks,
-                     "max_num_batched_tokens": args.max_num_batched_tokens, "compile_model": not args.no_compile,
-                     "max_num_seqs": args.max_num_seqs, "baseline": args.baseline, "cuda_graphs": not args.no_cuda_graphs}
+    engine_kwargs = {
+        "dtype": DTYPES[args.dtype],
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "compile_model": not args.no_compile,
+        "max_num_seqs": args.max_num_seqs,
+        "baseline": args.baseline,
+        "cuda_graphs": not args.no_cuda_graphs,
+    }
     if args.num_layers:
         engine_kwargs["num_layers"] = args.num_layers
-    results = launch(_generate_worker, args.model, prompts, args.max_tokens, args.temperature, args.top_p, engine_kwargs,
-                     nprocs=args.tp, timeout_s=args.timeout)[0]
+    results = launch(
+        _generate_worker,
+        args.model,
+        prompts,
+        args.max_tokens,
+        args.temperature,
+        args.top_p,
+        engine_kwargs,
+        nprocs=args.tp,
+        timeout_s=args.timeout,
+    )[0]
     for i, (prompt, r) in enumerate(zip(prompts, results)):
         if r["error"]:
             print(f"[{i}] rejected: {r['error']}")
@@ -353,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--tokens", type=_tokens, default="1,16,64,256,512,1024,2048,4096,8192,16384")
     cal.set_defaults(fn=cmd_calibrate)
 
-    gen = sub.add_parser("generate", help="generate with the reference engine (preset: token ids; directory with tokenizer: text)")
+    gen = sub.add_parser(
+        "generate", help="generate with the reference engine (preset: token ids; directory with tokenizer: text)"
+    )
     gen.add_argument("--model", default="tiny", help="preset name or HF-format directory")
     gen.add_argument("--tp", type=int, default=2)
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -367,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-num-seqs", type=int, default=32)
     gen.add_argument("--baseline", action="store_true", help="plain TP (NCCL all-reduce), no SP / async TP")
     gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
-    gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free GPU memory; 256 on CPU)")
+    gen.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default: from free GPU memory; 256 on CPU)"
+    )
     gen.add_argument("--max-num-batched-tokens", type=int, default=512)
     gen.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     gen.add_argument("--no-compile", action="store_true")
@@ -387,16 +517,26 @@ def main(argv: list[str] | None = None) -> int:
     lat = bench_sub.add_parser("latency", help="whole model: prefill TTFT and decode TPOT per arm, kernel verification")
     timing_args(lat)
     lat.set_defaults(layers=None)
-    lat.add_argument("--prefill", type=_pairs, default="1x128,1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x512,4x2048,8x1024",
-                     help="BATCHxINPUT_LEN pairs")
-    lat.add_argument("--decode", type=_pairs, default="1x1024,4x1024,16x1024,64x1024,128x1024,256x1024,1x4096,16x4096,64x4096",
-                     help="BATCHxCONTEXT pairs")
+    lat.add_argument(
+        "--prefill",
+        type=_pairs,
+        default="1x128,1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x512,4x2048,8x1024",
+        help="BATCHxINPUT_LEN pairs",
+    )
+    lat.add_argument(
+        "--decode",
+        type=_pairs,
+        default="1x1024,4x1024,16x1024,64x1024,128x1024,256x1024,1x4096,16x4096,64x4096",
+        help="BATCHxCONTEXT pairs",
+    )
     lat.add_argument("--no-verify", action="store_true", help="skip the profiler check of which kernels ran")
     lat.add_argument("--out", default="benchmarks/results")
     lat.add_argument("--name", default=None)
     lat.set_defaults(fn=cmd_bench_latency)
 
-    serve = bench_sub.add_parser("serve", help="Poisson arrivals through the engine: TTFT, TPOT, ITL, throughput per arm")
+    serve = bench_sub.add_parser(
+        "serve", help="Poisson arrivals through the engine: TTFT, TPOT, ITL, throughput per arm"
+    )
     serve.add_argument("--model", default="llama3-8b")
     serve.add_argument("--tp", type=int, default=2)
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -404,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--arms", default="baseline,auto")
     serve.add_argument("--workload", default="prefill-heavy,decode-heavy,mixed")
     serve.add_argument("--requests-file", default=None, help="JSON/CSV with input_len, output_len[, arrival_s]")
-    serve.add_argument("--rates", type=lambda t: [float(v) for v in t.split(",")], default="2,8", help="requests per second")
+    serve.add_argument(
+        "--rates", type=lambda t: [float(v) for v in t.split(",")], default="2,8", help="requests per second"
+    )
     serve.add_argument("--num-requests", type=int, default=64)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=8192)

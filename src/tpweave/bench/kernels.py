@@ -2,12 +2,14 @@
 names sorted into categories, counted per forward. An arm whose configuration picks fused or
 overlapped strategies but shows none of their kernels fails the run (tpweave.bench.kernels.check).
 """
+
 from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +37,9 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def profile_kernels(fn: Callable[[], Any], *, num_forwards: int = 2, trace_path: str | Path | None = None) -> dict[str, Any]:
+def profile_kernels(
+    fn: Callable[[], Any], *, num_forwards: int = 2, trace_path: str | Path | None = None
+) -> dict[str, Any]:
     """Run fn num_forwards times under the profiler; kernel counts per forward by category and by name."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -54,14 +58,22 @@ def profile_kernels(fn: Callable[[], Any], *, num_forwards: int = 2, trace_path:
     for evt in prof.events():
         device_type = getattr(evt, "device_type", None)
         # "nccl:all_reduce"-style names are profiler annotations on the GPU timeline, not kernels
-        if device_type is not None and device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith("nccl:"):
+        if (
+            device_type is not None
+            and device_type == torch.autograd.DeviceType.CUDA
+            and not evt.name.startswith("nccl:")
+        ):
             names[evt.name] += 1
     by_category: Counter[str] = Counter()
     for name, n in names.items():
         by_category[categorize(name)] += n
     per_forward = {k: v / num_forwards for k, v in sorted(by_category.items())}
-    comm = {k: v / num_forwards for k, v in names.items() if categorize(k) in ("nccl_all_reduce", "nccl_reduce_scatter",
-                                                                             "nccl_all_gather", "nccl_other", "symm_mem", "tpweave_comm")}
+    comm = {
+        k: v / num_forwards
+        for k, v in names.items()
+        if categorize(k)
+        in ("nccl_all_reduce", "nccl_reduce_scatter", "nccl_all_gather", "nccl_other", "symm_mem", "tpweave_comm")
+    }
     return {"per_forward": per_forward, "comm_kernels": dict(sorted(comm.items()))}
 
 

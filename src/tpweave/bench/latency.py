@@ -7,6 +7,7 @@ all-reduce), sp_seq, sp_fused, auto (tpweave with the calibrated table) and comp
 shards without communication, sharing the weights). A torch.profiler pass per arm records which
 communication kernels ran and fails the run if an arm did not run what its configuration picked.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,13 +47,17 @@ def build_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: in
     cfg = resolve_config(model, **overrides)
     tp_model = build_model(cfg, tp=ctx, dtype=dtype)
     on_cuda = ctx.device.type == "cuda"
-    fused = "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(torch.empty(0, device=ctx.device)) else "sequential"
+    fused = (
+        "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(torch.empty(0, device=ctx.device)) else "sequential"
+    )
     if on_cuda and fused != "symm_mem_fused":
         raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     make = {
         "baseline": lambda: tpweave.compile(tp_model, **BASELINE),
         "sp_seq": lambda: tpweave.compile(tp_model, sp=True, sp_min_tokens=0, async_tp=False, table=None),
-        "sp_fused": lambda: tpweave.compile(tp_model, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None),
+        "sp_fused": lambda: tpweave.compile(
+            tp_model, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None
+        ),
         "auto": lambda: tpweave.compile(tp_model, table=table),
         "compute_only": lambda: tpweave.compile(no_comm_twin(tp_model, ctx), sp=False, table=None),
     }
@@ -68,7 +73,9 @@ def _verify(ctx, variants, fns, m: int, what: str) -> tuple[dict[str, Any], list
         counts = profile_kernels(fn)
         kernels[arm] = counts
         need = expected_categories(arm, compiled.strategies_at(m), compiled.variant_for(m))
-        problems += [f"{what} M={m}: {p}" for p in check(arm, counts["per_forward"], need, forbid_comm=arm == "compute_only")]
+        problems += [
+            f"{what} M={m}: {p}" for p in check(arm, counts["per_forward"], need, forbid_comm=arm == "compute_only")
+        ]
     return kernels, problems
 
 
@@ -78,19 +85,38 @@ def _rows(what: str, timings, arms, base_key: dict[str, Any], variants, m: int) 
     rows = []
     for arm in arms:
         t = timings[arm]
-        rows.append({
-            "what": what, **base_key, "tokens": m, "arm": arm, "ms": t.median_ms, "vs_baseline": base / t.median_ms,
-            "hidden": hidden_fraction(t.median_ms, base, comp) if comp is not None else None,
-            "of_compute_only": comp / t.median_ms if comp is not None else None, "spread": t.spread,
-            "peak_mem_bytes": t.peak_mem_bytes, "variant": variants[arm].variant_for(m),
-        })
+        rows.append(
+            {
+                "what": what,
+                **base_key,
+                "tokens": m,
+                "arm": arm,
+                "ms": t.median_ms,
+                "vs_baseline": base / t.median_ms,
+                "hidden": hidden_fraction(t.median_ms, base, comp) if comp is not None else None,
+                "of_compute_only": comp / t.median_ms if comp is not None else None,
+                "spread": t.spread,
+                "peak_mem_bytes": t.peak_mem_bytes,
+                "variant": variants[arm].variant_for(m),
+            }
+        )
     return rows
 
 
 @torch.no_grad()
-def bench_latency(ctx: TPContext, model: str, *, dtype_name: str, num_layers: int | None, prefill: list[tuple[int, int]],
-                  decode: list[tuple[int, int]], settings: BenchSettings, table, block_size: int = 16,
-                  verify: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+def bench_latency(
+    ctx: TPContext,
+    model: str,
+    *,
+    dtype_name: str,
+    num_layers: int | None,
+    prefill: list[tuple[int, int]],
+    decode: list[tuple[int, int]],
+    settings: BenchSettings,
+    table,
+    block_size: int = 16,
+    verify: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     """prefill: (batch, input length) pairs; decode: (batch, context length) pairs. Returns rows,
     kernel counts per (phase, arm) at the largest M of each phase, and verification problems."""
     dtype = DTYPES[dtype_name]
@@ -123,13 +149,17 @@ def bench_latency(ctx: TPContext, model: str, *, dtype_name: str, num_layers: in
     for batch, context in _progress(sorted(decode, key=lambda p: (-p[0], -p[1])), ctx, "decode"):
         width = -(-context // block_size)
         tables = torch.arange(batch * width, dtype=torch.int32, device=dev).view(batch, width)
-        ids = torch.randint(cfg.vocab_size, (batch,), device=dev, generator=torch.Generator(device=dev).manual_seed(batch))
+        ids = torch.randint(
+            cfg.vocab_size, (batch,), device=dev, generator=torch.Generator(device=dev).manual_seed(batch)
+        )
         positions = torch.full((batch,), context - 1, device=dev)
         slots = tables[:, (context - 1) // block_size].long() * block_size + (context - 1) % block_size
         cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         ctx_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
         rows_b = torch.arange(batch, device=dev)
-        fns = {a: (lambda f=variants[a]: f(ids, positions, cu, slots, ctx_lens, tables, block_size, rows_b)) for a in arms}
+        fns = {
+            a: (lambda f=variants[a]: f(ids, positions, cu, slots, ctx_lens, tables, block_size, rows_b)) for a in arms
+        }
         timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup, inner=settings.inner)
         rows += _rows("decode", timings, arms, {"batch": batch, "context": context}, variants, batch)
         if verify and "decode" not in kernels:

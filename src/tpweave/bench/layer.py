@@ -5,6 +5,7 @@ sp_fused (SP + torch's symm-mem fused ops), auto (tpweave with the calibrated ta
 (same shards, no communication: the lower bound). Per op: every registered strategy and the
 compute-only matmul. Hidden fraction = (T_baseline - T) / (T_baseline - T_compute_only).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,7 +58,9 @@ def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layer
     no_comm = TPContext(rank=ctx.rank, world_size=ctx.world_size, group_name=None, device=ctx.device)
     compute_model = build_model(cfg, tp=no_comm, dtype=dtype)
     stack, compute_stack = LayerStack(tp_model.model.layers), LayerStack(compute_model.model.layers)
-    fused = "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(torch.empty(0, device=ctx.device)) else "sequential"
+    fused = (
+        "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(torch.empty(0, device=ctx.device)) else "sequential"
+    )
     if ctx.device.type == "cuda" and fused != "symm_mem_fused":
         raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     variants = {
@@ -71,8 +74,17 @@ def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layer
 
 
 @torch.no_grad()
-def bench_layers(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str, num_layers: int,
-                 settings: BenchSettings, table: StrategyTable | None, arms: tuple[str, ...] = LAYER_ARMS) -> list[dict[str, Any]]:
+def bench_layers(
+    ctx: TPContext,
+    model: str,
+    tokens: list[int],
+    *,
+    dtype_name: str,
+    num_layers: int,
+    settings: BenchSettings,
+    table: StrategyTable | None,
+    arms: tuple[str, ...] = LAYER_ARMS,
+) -> list[dict[str, Any]]:
     dtype = DTYPES[dtype_name]
     cfg, variants = _layer_variants(ctx, model, dtype=dtype, num_layers=num_layers, table=table)
     rows = []
@@ -86,18 +98,33 @@ def bench_layers(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: s
         base, comp = timings["baseline"].median_ms, timings["compute_only"].median_ms
         for name in arms:
             t = timings[name]
-            rows.append({
-                "what": "layer", "tokens": m, "arm": name, "ms_per_layer": t.median_ms / num_layers,
-                "vs_baseline": base / t.median_ms, "hidden": hidden_fraction(t.median_ms, base, comp),
-                "of_compute_only": comp / t.median_ms, "spread": t.spread, "peak_mem_bytes": t.peak_mem_bytes,
-                "auto_variant": variants["auto"].variant_for(m) if name == "auto" else None,
-            })
+            rows.append(
+                {
+                    "what": "layer",
+                    "tokens": m,
+                    "arm": name,
+                    "ms_per_layer": t.median_ms / num_layers,
+                    "vs_baseline": base / t.median_ms,
+                    "hidden": hidden_fraction(t.median_ms, base, comp),
+                    "of_compute_only": comp / t.median_ms,
+                    "spread": t.spread,
+                    "peak_mem_bytes": t.peak_mem_bytes,
+                    "auto_variant": variants["auto"].variant_for(m) if name == "auto" else None,
+                }
+            )
     return rows
 
 
 @torch.no_grad()
-def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str, settings: BenchSettings,
-              sites: list[SiteShape] | None = None) -> list[dict[str, Any]]:
+def bench_ops(
+    ctx: TPContext,
+    model: str,
+    tokens: list[int],
+    *,
+    dtype_name: str,
+    settings: BenchSettings,
+    sites: list[SiteShape] | None = None,
+) -> list[dict[str, Any]]:
     """Each overlapped op under every available strategy, and its matmul alone (compute only)."""
     dtype = DTYPES[dtype_name]
     cfg = get_preset(model)
@@ -113,32 +140,56 @@ def bench_ops(ctx: TPContext, model: str, tokens: list[int], *, dtype_name: str,
                 x = torch.randn(rows_local, site.k, device=ctx.device, dtype=dtype)
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
                 fns = {
-                    n: (lambda n=n: torch.ops.tpweave.ag_mm(x, [w], [None], [m], ctx.group_name, ctx.world_size, n, False))
+                    n: (
+                        lambda n=n: torch.ops.tpweave.ag_mm(
+                            x, [w], [None], [m], ctx.group_name, ctx.world_size, n, False
+                        )
+                    )
                     for n in names
                 }
             elif site.kind == "mm_rs":
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
-                fns = {n: (lambda n=n: torch.ops.tpweave.mm_rs(a_full, w, ctx.group_name, ctx.world_size, n)) for n in names}
+                fns = {
+                    n: (lambda n=n: torch.ops.tpweave.mm_rs(a_full, w, ctx.group_name, ctx.world_size, n))
+                    for n in names
+                }
             elif site.kind in ("ag_scaled_mm", "scaled_mm_rs"):
                 fns, a_full = _fp8_site_arms(ctx, site, m, names, w, dtype)
             elif site.kind == "all_reduce_rms_norm":
                 a_full, res = (torch.randn(m, site.k, device=ctx.device, dtype=dtype) for _ in range(2))
                 norm_w = torch.rand(site.k, device=ctx.device, dtype=dtype) + 0.5
-                fns = {n: (lambda n=n: torch.ops.tpweave.all_reduce_rms_norm(a_full, res, norm_w, 1e-5, False, ctx.group_name,
-                                                                              ctx.world_size, n)) for n in names}
+                fns = {
+                    n: (
+                        lambda n=n: torch.ops.tpweave.all_reduce_rms_norm(
+                            a_full, res, norm_w, 1e-5, False, ctx.group_name, ctx.world_size, n
+                        )
+                    )
+                    for n in names
+                }
             else:
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
-                fns = {n: (lambda n=n: torch.ops.tpweave.all_reduce(a_full, ctx.group_name, ctx.world_size, n)) for n in names}
+                fns = {
+                    n: (lambda n=n: torch.ops.tpweave.all_reduce(a_full, ctx.group_name, ctx.world_size, n))
+                    for n in names
+                }
             if site.kind in ("ag_mm", "mm_rs"):  # an all-reduce has no compute to hide behind
                 fns["compute_only"] = lambda: a_full @ w
             timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup, inner=settings.inner)
             seq = timings["sequential"].median_ms
             comp = timings["compute_only"].median_ms if "compute_only" in timings else seq
             for name, t in timings.items():
-                rows.append({
-                    "what": "op", "site": site.name, "tokens": m, "arm": name, "ms": t.median_ms,
-                    "vs_sequential": seq / t.median_ms, "hidden": hidden_fraction(t.median_ms, seq, comp), "spread": t.spread,
-                })
+                rows.append(
+                    {
+                        "what": "op",
+                        "site": site.name,
+                        "tokens": m,
+                        "arm": name,
+                        "ms": t.median_ms,
+                        "vs_sequential": seq / t.median_ms,
+                        "hidden": hidden_fraction(t.median_ms, seq, comp),
+                        "spread": t.spread,
+                    }
+                )
     return rows
 
 
@@ -158,11 +209,20 @@ def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_
     group, ws = ctx.group_name, ctx.world_size
     if site.kind == "ag_scaled_mm":
         xq, x_scale = fp8.quantize_rows(torch.randn(-(-m // ws), site.k, device=ctx.device, dtype=dtype))
-        fns = {n: (lambda n=n: torch.ops.tpweave.ag_scaled_mm(xq, x_scale, [wq], [w_scale], [None], [m], group, ws, dtype, n, False))
-               for n in names}
+        fns = {
+            n: (
+                lambda n=n: torch.ops.tpweave.ag_scaled_mm(
+                    xq, x_scale, [wq], [w_scale], [None], [m], group, ws, dtype, n, False
+                )
+            )
+            for n in names
+        }
     else:
         xq, x_scale = fp8.quantize_rows(torch.randn(m, site.k, device=ctx.device, dtype=dtype))
-        fns = {n: (lambda n=n: torch.ops.tpweave.scaled_mm_rs(xq, x_scale, wq, w_scale, group, ws, dtype, n)) for n in names}
+        fns = {
+            n: (lambda n=n: torch.ops.tpweave.scaled_mm_rs(xq, x_scale, wq, w_scale, group, ws, dtype, n))
+            for n in names
+        }
     aq, a_scale = fp8.quantize_rows(torch.randn(m, site.k, device=ctx.device, dtype=dtype))
     fns["compute_only"] = lambda: torch.ops.tpweave.scaled_mm(aq, wq, a_scale, w_scale, None, dtype)
     return fns, aq

@@ -1,4 +1,5 @@
 """PNG plots of benchmark results (needs matplotlib: `pip install tpweave[plots]`)."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -17,7 +18,9 @@ def _pyplot():
     return plt
 
 
-def plot_speedup(rows: list[dict[str, Any]], axes: tuple[str, str, str, str], title: str, path: str | Path) -> Path | None:
+def plot_speedup(
+    rows: list[dict[str, Any]], axes: tuple[str, str, str, str], title: str, path: str | Path
+) -> Path | None:
     """One line per arm (and per series, e.g. context length or input length), y against x."""
     plt = _pyplot()
     x_key, y_key, x_label, y_label = axes
@@ -30,8 +33,13 @@ def plot_speedup(rows: list[dict[str, Any]], axes: tuple[str, str, str, str], ti
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, points in sorted(series.items()):
         points.sort()
-        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label,
-                linestyle="--" if label.startswith("compute_only") else "-")
+        ax.plot(
+            [x for x, _ in points],
+            [y for _, y in points],
+            marker="o",
+            label=label,
+            linestyle="--" if label.startswith("compute_only") else "-",
+        )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x_label)
@@ -57,8 +65,17 @@ def plot_serve(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path
     for ax, metric in zip(axes, ("ttft_ms", "tpot_ms")):
         for i, arm in enumerate(arms):
             for j, pct in enumerate(("p50", "p99")):
-                vals = [next((r[f"{metric}_{pct}"] or 0 for r in rows if r["arm"] == arm and (r["workload"], r["rate"]) == g), 0)
-                        for g in groups]
+                vals = [
+                    next(
+                        (
+                            r[f"{metric}_{pct}"] or 0
+                            for r in rows
+                            if r["arm"] == arm and (r["workload"], r["rate"]) == g
+                        ),
+                        0,
+                    )
+                    for g in groups
+                ]
                 offset = (2 * i + j) * width
                 ax.bar([k + offset for k in range(len(groups))], vals, width, label=f"{arm} {pct}")
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(groups))])

@@ -1,4 +1,5 @@
 """Benchmark results: JSON with the run's metadata, and a markdown rendering."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -17,7 +18,12 @@ def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 
     commit = os.environ.get("TPWEAVE_COMMIT", "")  # set where the tree has no .git (the GPU box's copy)
     try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return {
@@ -26,7 +32,7 @@ def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "commit": commit or "unknown",
         "command": " ".join(shlex.quote(a) for a in ["tpweave", *sys.argv[1:]]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **(extra or {}),
     }
 
@@ -45,19 +51,72 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-LAYER_COLUMNS = ["tokens", "arm", "ms_per_layer", "vs_baseline", "hidden", "of_compute_only", "spread", "peak_mem_bytes", "auto_variant"]
+LAYER_COLUMNS = [
+    "tokens",
+    "arm",
+    "ms_per_layer",
+    "vs_baseline",
+    "hidden",
+    "of_compute_only",
+    "spread",
+    "peak_mem_bytes",
+    "auto_variant",
+]
 OP_COLUMNS = ["site", "tokens", "arm", "ms", "vs_sequential", "hidden", "spread"]
-PREFILL_COLUMNS = ["batch", "input_len", "tokens", "arm", "ms", "vs_baseline", "hidden", "of_compute_only", "spread", "peak_mem_bytes", "variant"]
+PREFILL_COLUMNS = [
+    "batch",
+    "input_len",
+    "tokens",
+    "arm",
+    "ms",
+    "vs_baseline",
+    "hidden",
+    "of_compute_only",
+    "spread",
+    "peak_mem_bytes",
+    "variant",
+]
 DECODE_COLUMNS = ["batch", "context", "arm", "ms", "vs_baseline", "hidden", "of_compute_only", "spread", "variant"]
-SERVE_COLUMNS = ["workload", "rate", "arm", "num_finished", "num_failed", "request_throughput", "output_token_throughput",
-                 "total_token_throughput", "vs_baseline", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50",
-                 "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99"]
+SERVE_COLUMNS = [
+    "workload",
+    "rate",
+    "arm",
+    "num_finished",
+    "num_failed",
+    "request_throughput",
+    "output_token_throughput",
+    "total_token_throughput",
+    "vs_baseline",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p90",
+    "tpot_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p99",
+]
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
-    ("layer", "Decoder layer", LAYER_COLUMNS, ("tokens", "vs_baseline", "tokens per step (M)", "speedup over baseline TP (per layer)")),
+    (
+        "layer",
+        "Decoder layer",
+        LAYER_COLUMNS,
+        ("tokens", "vs_baseline", "tokens per step (M)", "speedup over baseline TP (per layer)"),
+    ),
     ("op", "Overlapped ops", OP_COLUMNS, None),
-    ("prefill", "Prefill (time to first token)", PREFILL_COLUMNS, ("tokens", "vs_baseline", "prompt tokens in the step (M)", "TTFT speedup over baseline TP")),
-    ("decode", "Decode (time per output token)", DECODE_COLUMNS, ("batch", "vs_baseline", "decode batch", "TPOT speedup over baseline TP")),
+    (
+        "prefill",
+        "Prefill (time to first token)",
+        PREFILL_COLUMNS,
+        ("tokens", "vs_baseline", "prompt tokens in the step (M)", "TTFT speedup over baseline TP"),
+    ),
+    (
+        "decode",
+        "Decode (time per output token)",
+        DECODE_COLUMNS,
+        ("batch", "vs_baseline", "decode batch", "TPOT speedup over baseline TP"),
+    ),
     ("serve", "Serving", SERVE_COLUMNS, None),
 )
 
@@ -67,7 +126,14 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
     from tpweave.bench.plots import plot_serve, plot_speedup
 
     title = f"{meta.get('model', '')} TP={meta.get('tp', '')} {meta.get('dtype', '')} on {meta.get('device', '')}"
-    parts = [f"# {name}", "", "| | |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in meta.items() if k != "kernels"], ""]
+    parts = [
+        f"# {name}",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | `{v}` |" for k, v in meta.items() if k != "kernels"],
+        "",
+    ]
     for kind, section, columns, plot in SECTIONS:
         kind_rows = [r for r in rows if r.get("what") == kind]
         if not kind_rows:
@@ -92,7 +158,9 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
     return "\n".join(parts)
 
 
-def write_results(out_dir: str | Path, name: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
+def write_results(
+    out_dir: str | Path, name: str, meta: dict[str, Any], rows: list[dict[str, Any]]
+) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"

@@ -5,6 +5,7 @@ token throughput. Every request is accounted for: finished, or failed with its e
 All TP ranks run the same engine loop; the clock that decides which requests have arrived is rank
 0's, broadcast every step, so every rank admits the same requests at the same step.
 """
+
 from __future__ import annotations
 
 import csv
@@ -38,7 +39,9 @@ class Request:
     output_len: int
 
 
-def poisson_requests(*, num_requests: int, rate: float, lengths: tuple[tuple[int, int], tuple[int, int]], seed: int) -> list[Request]:
+def poisson_requests(
+    *, num_requests: int, rate: float, lengths: tuple[tuple[int, int], tuple[int, int]], seed: int
+) -> list[Request]:
     if rate <= 0 or num_requests < 1:
         raise ValueError(f"need rate > 0 and num_requests >= 1, got {rate}, {num_requests}")
     rng = random.Random(seed)
@@ -92,16 +95,26 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Latency percentiles (ms) and throughputs from per-request records."""
     done = [r for r in records if r["error"] is None]
     ttft = [1e3 * (r["token_times"][0] - r["arrival_s"]) for r in done if r["token_times"]]
-    tpot = [1e3 * (r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1) for r in done if len(r["token_times"]) > 1]
+    tpot = [
+        1e3 * (r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1)
+        for r in done
+        if len(r["token_times"]) > 1
+    ]
     itl = [1e3 * (b - a) for r in done for a, b in zip(r["token_times"], r["token_times"][1:])]
     start = min(r["arrival_s"] for r in records)
     end = max((r["token_times"][-1] for r in done if r["token_times"]), default=start)
     duration = max(end - start, 1e-9)
     out_tokens = sum(len(r["token_times"]) for r in done)
     in_tokens = sum(r["input_len"] for r in done)
-    summary = {"num_requests": len(records), "num_finished": len(done), "num_failed": len(records) - len(done),
-               "duration_s": duration, "request_throughput": len(done) / duration, "output_token_throughput": out_tokens / duration,
-               "total_token_throughput": (in_tokens + out_tokens) / duration}
+    summary = {
+        "num_requests": len(records),
+        "num_finished": len(done),
+        "num_failed": len(records) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+    }
     for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
         for p, v in _percentiles(values).items():
             summary[f"{name}_{p}"] = v
@@ -142,7 +155,13 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
         now = clock.now()
         while pending and pending[0].arrival_s <= now:
             req = pending.popleft()
-            rec = {"arrival_s": req.arrival_s, "input_len": req.input_len, "output_len": req.output_len, "token_times": [], "error": None}
+            rec = {
+                "arrival_s": req.arrival_s,
+                "input_len": req.input_len,
+                "output_len": req.output_len,
+                "token_times": [],
+                "error": None,
+            }
             records.append(rec)
             prompt = [rng.randrange(vocab) for _ in range(req.input_len)]
             try:

@@ -6,12 +6,14 @@ are replayed interleaved in a rotating order, `reps` times, each sample timed wi
 `inner` replays. A sample is the slowest rank's time (an op is done when every rank is done).
 On CPU the same loop runs eagerly with wall-clock timers. Results are medians in milliseconds.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,5 @@
 """The torch.compile side of tpweave: SP and async-TP passes, dynamic M, the report."""
+
 from tpweave.compiler.backend import DEFAULT_OVERLAP_POLICY, DEFAULT_SP_MIN_TOKENS, CompiledTP, compile, report
 from tpweave.compiler.report import CompileReport
 

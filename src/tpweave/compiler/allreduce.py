@@ -1,9 +1,10 @@
 """Plain-TP graph: route each TP all-reduce through `tpweave::all_reduce`, whose strategy (NCCL, or
 symmetric-memory one-shot / two-shot) is picked per M from the calibrated table. One left to
 Inductor gets its token dims flattened first (see `_flatten_tokens`)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -13,7 +14,9 @@ from tpweave.compiler.report import GraphReport
 from tpweave.compiler.sequence_parallel import SPConfig
 
 
-def route_all_reduces(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+def route_all_reduces(
+    graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+) -> None:
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]

@@ -3,18 +3,19 @@
 
 The RMSNorm is recognized from its post-grad ATen ops, in the forms models write it:
     h32 = float(h)                     (absent when h is fp32)
-    n32 = h32 * rsqrt(mean(h32^2, -1, keepdim) + eps)        (pow(h32, 2) or h32 * h32; + eps as add.Tensor or add.Scalar)
+    n32 = h32 * rsqrt(mean(h32^2, -1, keepdim) + eps)   (pow(h32, 2) or h32 * h32; eps as add.Tensor or add.Scalar)
     y = weight * dtype(n32)            (Llama/HF: weight_in_fp32=False)
     y = dtype(n32 * weight32)          (Gemma-style (1 + w), F.rms_norm: weight_in_fp32=True)
 where weight is any (H,) tensor (a parameter, or 1 + w computed in the graph). Anything else (a
 LayerNorm, a norm without weight, intermediate values used elsewhere) is left to `route_all_reduces`
 and the report says why. The fused op returns (y, h); h replaces the residual stream's uses.
 """
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -76,7 +77,11 @@ def match_rms_norm(h: fx.Node) -> RMSNormMatch:
         for sq in squares:
             try:
                 mean = _only_user(sq, aten.mean.dim)
-                if set(mean.args[1]) - last or len(mean.args[1]) != 1 or not (mean.args[2:3] and mean.args[2] or mean.kwargs.get("keepdim")):
+                if (
+                    set(mean.args[1]) - last
+                    or len(mean.args[1]) != 1
+                    or not (mean.args[2:3] and mean.args[2] or mean.kwargs.get("keepdim"))
+                ):
                     raise NoMatch("mean is not over the last dim with keepdim")
                 add = _only_user(mean, aten.add.Tensor, aten.add.Scalar)
                 eps = _other(add, mean)
@@ -118,7 +123,12 @@ def match_residual_norm(src: fx.Node, graph: fx.Graph) -> tuple[fx.Node, fx.Node
     adds = _calls(src, aten.add.Tensor)
     if len(src.users) == 1 and adds and len(adds[0].args) == 2 and not adds[0].kwargs:
         other = _other(adds[0], src)
-        if is_tensor_node(other) and other is not src and val(other).shape == val(src).shape and val(other).dtype == val(src).dtype:
+        if (
+            is_tensor_node(other)
+            and other is not src
+            and val(other).shape == val(src).shape
+            and val(other).dtype == val(src).dtype
+        ):
             h, residual = adds[0], other
     norm = match_rms_norm(h)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -128,7 +138,9 @@ def match_residual_norm(src: fx.Node, graph: fx.Graph) -> tuple[fx.Node, fx.Node
     return h, residual, norm
 
 
-def _replace_with_fused(graph: fx.Graph, edit: GraphEditor, target, args: tuple, h: fx.Node, norm: RMSNormMatch, dead: set) -> fx.Node:
+def _replace_with_fused(
+    graph: fx.Graph, edit: GraphEditor, target, args: tuple, h: fx.Node, norm: RMSNormMatch, dead: set
+) -> fx.Node:
     """Insert target(*args) -> (y, h) before the norm's output and make the graph read it."""
     fused = edit.insert(target, args, before=norm.y)
     y_new = edit.insert(operator.getitem, (fused, 0), before=norm.y)
@@ -144,7 +156,9 @@ def _describe(residual, norm: RMSNormMatch, policy: str) -> str:
     return f"{'residual add + ' if residual is not None else ''}RMSNorm ({style}, eps {norm.eps:g}), policy {policy!r}"
 
 
-def fuse_all_reduce_norms(graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+def fuse_all_reduce_norms(
+    graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+) -> None:
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]

@@ -1,9 +1,10 @@
 """Async-TP pass: all_gather_tokens -> matmul(s) and matmul -> reduce_scatter_tokens become one
 tpweave overlapped op each (`tpweave::ag_mm`, `tpweave::mm_rs`), whose strategy is picked per M at run time."""
+
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -69,7 +70,9 @@ def _sink(nodes: list[fx.Node], *, after: fx.Node, erased: set[fx.Node]) -> None
             after = n
 
 
-def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+def fuse_all_gather_matmuls(
+    graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+) -> None:
     edit = GraphEditor(graph)
     for ag in [n for n in graph.nodes if n.target is tpw.all_gather_tokens.default]:
         x_local, token_sizes, group_name, world_size = ag.args
@@ -85,7 +88,16 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
         users = [u for u in users if _hoist(u[1], first, order) and (u[2] is None or _hoist(u[2], first, order))]
         # One GEMM width for the site: the sum over the matmuls sharing this gather.
         policy = policy_for("ag_mm", int(val(x_local).shape[-1]), sum(int(val(u[1]).shape[1]) for u in users))
-        args = (x_local, [u[1] for u in users], [u[2] for u in users], token_sizes, group_name, world_size, policy, True)
+        args = (
+            x_local,
+            [u[1] for u in users],
+            [u[2] for u in users],
+            token_sizes,
+            group_name,
+            world_size,
+            policy,
+            True,
+        )
         fused = edit.insert(tpw.ag_mm.default, args, before=first)
         readers = _readers_between([ag], fused, order)
         with graph.inserting_after(fused):
@@ -108,30 +120,53 @@ def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, 
             if not o.users:
                 graph.erase_node(o)
         names = ", ".join(u[0].name for u in users)
-        report.add("all_gather+matmul", fused, "fused", f"tpweave::ag_mm over {len(users)} matmul(s) [{names}], policy {policy!r}")
+        report.add(
+            "all_gather+matmul",
+            fused,
+            "fused",
+            f"tpweave::ag_mm over {len(users)} matmul(s) [{names}], policy {policy!r}",
+        )
 
 
-def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+def fuse_all_gather_scaled_matmuls(
+    graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+) -> None:
     """FP8: gather(x_fp8) and gather(x_scale) feeding tpweave::scaled_mm(s) -> one tpweave::ag_scaled_mm."""
     edit = GraphEditor(graph)
     groups: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
     for mm in [n for n in graph.nodes if n.target is tpw.scaled_mm.default]:
         x, _, scale = mm.args[:3]
         gathers = (x, scale)
-        if all(isinstance(g, fx.Node) and g.target is tpw.all_gather_tokens.default for g in gathers) and x.args[1:] == scale.args[1:]:
+        if (
+            all(isinstance(g, fx.Node) and g.target is tpw.all_gather_tokens.default for g in gathers)
+            and x.args[1:] == scale.args[1:]
+        ):
             groups.setdefault(gathers, []).append(mm)
     for (ag_x, ag_s), mms in groups.items():
         order = {n: i for i, n in enumerate(graph.nodes)}
         mms.sort(key=lambda n: order[n])
         first = mms[0]
-        mms = [mm for mm in mms if all(a is None or _hoist(a, first, order) for a in (mm.args[1], mm.args[3], mm.args[4]))]
+        mms = [
+            mm for mm in mms if all(a is None or _hoist(a, first, order) for a in (mm.args[1], mm.args[3], mm.args[4]))
+        ]
         if not mms or val(ag_x.args[0]).dim() != 2:
             report.add("all_gather", ag_x, "left alone", "FP8 shard is not (rows, K) or its weights come later")
             continue
         _, token_sizes, group_name, world_size = ag_x.args
         policy = policy_for("ag_scaled_mm", int(val(ag_x).shape[-1]), sum(int(val(mm.args[1]).shape[0]) for mm in mms))
-        args = (ag_x.args[0], ag_s.args[0], [mm.args[1] for mm in mms], [mm.args[3] for mm in mms], [mm.args[4] for mm in mms],
-                token_sizes, group_name, world_size, mms[0].args[5], policy, True)
+        args = (
+            ag_x.args[0],
+            ag_s.args[0],
+            [mm.args[1] for mm in mms],
+            [mm.args[3] for mm in mms],
+            [mm.args[4] for mm in mms],
+            token_sizes,
+            group_name,
+            world_size,
+            mms[0].args[5],
+            policy,
+            True,
+        )
         fused = edit.insert(tpw.ag_scaled_mm.default, args, before=first)
         readers = _readers_between([ag_x, ag_s], fused, order)
         with graph.inserting_after(fused):
@@ -151,10 +186,17 @@ def fuse_all_gather_scaled_matmuls(graph: fx.Graph, *, policy_for: Callable[[str
             if not o.users:
                 graph.erase_node(o)
         names = ", ".join(mm.name for mm in mms)
-        report.add("all_gather+scaled_matmul", fused, "fused", f"tpweave::ag_scaled_mm over {len(mms)} FP8 matmul(s) [{names}], policy {policy!r}")
+        report.add(
+            "all_gather+scaled_matmul",
+            fused,
+            "fused",
+            f"tpweave::ag_scaled_mm over {len(mms)} FP8 matmul(s) [{names}], policy {policy!r}",
+        )
 
 
-def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport) -> None:
+def fuse_matmul_reduce_scatters(
+    graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+) -> None:
     edit = GraphEditor(graph)
     for rs in [n for n in graph.nodes if n.target is tpw.reduce_scatter_tokens.default]:
         x, _, group_name, world_size = rs.args
@@ -168,7 +210,9 @@ def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, i
         if scaled:
             a, w, a_scale, w_scale, _, out_dtype = src.args
             policy = policy_for("scaled_mm_rs", int(val(w).shape[1]), int(val(w).shape[0]))
-            fused = edit.insert(tpw.scaled_mm_rs.default, (a, a_scale, w, w_scale, group_name, world_size, out_dtype, policy), before=rs)
+            fused = edit.insert(
+                tpw.scaled_mm_rs.default, (a, a_scale, w, w_scale, group_name, world_size, out_dtype, policy), before=rs
+            )
         else:
             a, w = src.args
             policy = policy_for("mm_rs", int(val(w).shape[0]), int(val(w).shape[1]))
@@ -181,4 +225,9 @@ def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: Callable[[str, i
         for n in (rs, view, src):
             if n is not None and not n.users:
                 graph.erase_node(n)
-        report.add("matmul+reduce_scatter", fused, "fused", f"tpweave::{'scaled_mm_rs' if scaled else 'mm_rs'}, policy {policy!r}")
+        report.add(
+            "matmul+reduce_scatter",
+            fused,
+            "fused",
+            f"tpweave::{'scaled_mm_rs' if scaled else 'mm_rs'}, policy {policy!r}",
+        )

@@ -4,15 +4,17 @@ Variants: "sp" (sequence parallel + async TP, used for M >= sp_min_tokens) and "
 all-reduces). Both are compiled with M dynamic. The passes run as Inductor's post-grad custom pre-pass,
 on the whole graph, before Inductor's own passes and before any graph partition.
 """
+
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import inspect
 import logging
-from types import MappingProxyType
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,9 @@ ATTENTION_OPS = ("tpweave::attention", "tpweave::paged_attention")
 # faster at M = 1..256 (benchmarks/probes/decode_layer_kernels.py).
 DEFAULT_AR_NORM_POLICY = "triton_ar_norm"
 # The arm every comparison is against: plain TP, NCCL all-reduce, Inductor's own add + norm.
-BASELINE = MappingProxyType({"sp": False, "table": None, "all_reduce_policy": "sequential", "all_reduce_rms_norm_policy": "sequential"})
+BASELINE = MappingProxyType(
+    {"sp": False, "table": None, "all_reduce_policy": "sequential", "all_reduce_rms_norm_policy": "sequential"}
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,12 @@ class PassOptions:
 
     def policy(self, kind: str, k: int, n: int) -> str:
         # FP8 sites stay sequential unless a calibration table lists a measured strategy for them
-        defaults = {"ag_mm": self.ag_mm_policy, "mm_rs": self.mm_rs_policy, "all_reduce": self.all_reduce_policy,
-                    "all_reduce_rms_norm": self.all_reduce_rms_norm_policy}
+        defaults = {
+            "ag_mm": self.ag_mm_policy,
+            "mm_rs": self.mm_rs_policy,
+            "all_reduce": self.all_reduce_policy,
+            "all_reduce_rms_norm": self.all_reduce_rms_norm_policy,
+        }
         default = defaults.get(kind, "sequential")
         return self.policy_string(dict(self.site_policies).get(f"{kind}:{k}x{n}", default))
 
@@ -112,7 +120,9 @@ class TPWeavePass(CustomGraphPass):
 class TPBackend:
     """A torch.compile backend: Inductor plus our pass; on a pass failure, Inductor without it."""
 
-    def __init__(self, *, variant: str, sp_cfg: SPConfig, options: PassOptions, report: CompileReport, inductor_options: dict):
+    def __init__(
+        self, *, variant: str, sp_cfg: SPConfig, options: PassOptions, report: CompileReport, inductor_options: dict
+    ):
         self.variant, self.sp_cfg, self.options = variant, sp_cfg, options
         self.report, self.inductor_options = report, inductor_options
 
@@ -136,7 +146,9 @@ class TPBackend:
         try:
             return self._compile(gm, example_inputs, None)
         except Exception as e:  # noqa: BLE001
-            self._note(graph_report, f"Inductor failed without our passes too ({_describe(e)}); running this graph uncompiled")
+            self._note(
+                graph_report, f"Inductor failed without our passes too ({_describe(e)}); running this graph uncompiled"
+            )
             return gm.forward
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, tp_pass: TPWeavePass | None) -> Callable:
@@ -230,10 +242,18 @@ class CompiledTP:
     def strategies_at(self, num_tokens: int) -> set[str]:
         """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
         opts = self.options[self.variant_for(num_tokens)]
-        kinds = ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if opts.sp and opts.async_tp else () if opts.sp else ("all_reduce", "all_reduce_rms_norm")
+        kinds = (
+            ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs")
+            if opts.sp and opts.async_tp
+            else ()
+            if opts.sp
+            else ("all_reduce", "all_reduce_rms_norm")
+        )
         if not opts.sp:  # only the kinds the plain graph really has (every all-reduce may have been fused)
             done = {(s.kind, s.action) for g in self.compile_report.graphs if g.variant == "plain" for s in g.sites}
-            kinds = tuple(k for k, action in (("all_reduce", "routed"), ("all_reduce_rms_norm", "fused")) if (k, action) in done)
+            kinds = tuple(
+                k for k, action in (("all_reduce", "routed"), ("all_reduce_rms_norm", "fused")) if (k, action) in done
+            )
         policies = [opts.policy(k, -1, -1) for k in kinds]  # the defaults (no site has shape -1)
         policies += [p for site, p in opts.site_policies if site.split(":")[0] in kinds]
         return {chosen_name(opts.policy_string(policy), num_tokens) for policy in policies}
@@ -254,26 +274,40 @@ class CompiledTP:
             except torch._dynamo.exc.TorchDynamoException as e:
                 # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
                 # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
-                self._note(f"[{variant}] torch.compile failed to trace this model ({_describe(e)}): it runs eagerly, "
-                           "without tpweave's passes")
+                self._note(
+                    f"[{variant}] torch.compile failed to trace this model ({_describe(e)}): it runs eagerly, "
+                    "without tpweave's passes"
+                )
                 self.variants[variant] = self.module
                 out = self.module(*args, **kwargs)
         compiled_now = self.compile_report.num_compiles - num_compiles_before
         for function in watch.functions:
-            self._note(f"Dynamo reached its recompile limit (torch._dynamo.config.recompile_limit x {len(self.variants)} tpweave "
-                       f"graph variants) in {function}: inputs needing a new graph there run eagerly, without tpweave's "
-                       "passes (raise the limit; TORCH_LOGS=recompiles says what each graph specialized on)")
+            self._note(
+                f"Dynamo reached its recompile limit (torch._dynamo.config.recompile_limit x {len(self.variants)} "
+                "tpweave "
+                f"graph variants) in {function}: inputs needing a new graph there run eagerly, without tpweave's "
+                "passes (raise the limit; TORCH_LOGS=recompiles says what each graph specialized on)"
+            )
             if function not in self.compile_report.recompile_limit_hit_in:
                 self.compile_report.recompile_limit_hit_in.append(function)
         if self.calls[variant] == 1 and self.variants[variant] is not self.module:
-            if not any(g.variant == variant for g in self.compile_report.graphs) and not self.compile_report.recompile_limit_hit_in:
-                self._note(f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, without tpweave's passes "
-                           "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
-                           "work.wait(): use the blocking call or torch.distributed._functional_collectives)")
+            if (
+                not any(g.variant == variant for g in self.compile_report.graphs)
+                and not self.compile_report.recompile_limit_hit_in
+            ):
+                self._note(
+                    f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, "
+                    "without tpweave's passes "
+                    "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
+                    "work.wait(): use the blocking call or torch.distributed._functional_collectives)"
+                )
             elif compiled_now > 1:
-                self._note(f"[{variant}] Dynamo split the forward into {compiled_now} graphs (graph breaks; TORCH_LOGS=graph_breaks "
-                           "says where): the passes rewrite each graph on its own, and with sequence parallelism every "
-                           "boundary all-gathers the activations")
+                self._note(
+                    f"[{variant}] Dynamo split the forward into {compiled_now} graphs (graph breaks; "
+                    "TORCH_LOGS=graph_breaks "
+                    "says where): the passes rewrite each graph on its own, and with sequence parallelism every "
+                    "boundary all-gathers the activations"
+                )
         return out
 
     def _note(self, msg: str) -> None:
@@ -289,7 +323,7 @@ def compile(
     sp: bool | None = None,
     async_tp: bool = True,
     sp_min_tokens: int | None = None,
-    table: "StrategyTable | str | None" = "auto",
+    table: StrategyTable | str | None = "auto",
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY,
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY,
     all_reduce_policy: str = "sequential",
@@ -317,7 +351,9 @@ def compile(
         # The boundary is a GPU measurement; off the GPU (gloo) there is nothing to win or lose, so
         # the SP graph serves every M there and CPU runs exercise it.
         sp_min_tokens = DEFAULT_SP_MIN_TOKENS if dist.get_backend(group) == "nccl" else 0
-        logger.info("no calibration table: sequence parallel from M >= %d (tpweave calibrate would tune this)", sp_min_tokens)
+        logger.info(
+            "no calibration table: sequence parallel from M >= %d (tpweave calibrate would tune this)", sp_min_tokens
+        )
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     if all_reduce_rms_norm_policy is None:  # the default where no table lists the site
         all_reduce_rms_norm_policy = DEFAULT_AR_NORM_POLICY if dist.get_backend(group) == "nccl" else "sequential"
@@ -334,31 +370,51 @@ def compile(
     # Ranks that compiled different graphs or strategies would wait on each other's collectives forever
     # (e.g. a calibration table found, or found corrupt, on some ranks only): refuse up front.
     check_ranks_agree(
-        {"sp": sp, "async_tp": async_tp, "sp_min_tokens": sp_min_tokens, "ag_mm_policy": ag_mm_policy, "mm_rs_policy": mm_rs_policy,
-         "all_reduce_policy": all_reduce_policy, "all_reduce_rms_norm_policy": all_reduce_rms_norm_policy,
-         "table_policies": list(site_policies), "cudagraphs": cudagraphs, "piecewise": piecewise},
-        group=group, what="tpweave.compile options (a calibration table present, or valid, on some ranks only?)",
+        {
+            "sp": sp,
+            "async_tp": async_tp,
+            "sp_min_tokens": sp_min_tokens,
+            "ag_mm_policy": ag_mm_policy,
+            "mm_rs_policy": mm_rs_policy,
+            "all_reduce_policy": all_reduce_policy,
+            "all_reduce_rms_norm_policy": all_reduce_rms_norm_policy,
+            "table_policies": list(site_policies),
+            "cudagraphs": cudagraphs,
+            "piecewise": piecewise,
+        },
+        group=group,
+        what="tpweave.compile options (a calibration table present, or valid, on some ranks only?)",
     )
     report = CompileReport(sp_min_tokens=sp_min_tokens if sp else None)
     variants: dict[str, Callable] = {}
     want = {
         "plain": PassOptions(
-            sp=False, async_tp=False, all_reduce_policy=all_reduce_policy, all_reduce_rms_norm_policy=all_reduce_rms_norm_policy,
-            site_policies=site_policies, cudagraph_trees=cudagraphs
+            sp=False,
+            async_tp=False,
+            all_reduce_policy=all_reduce_policy,
+            all_reduce_rms_norm_policy=all_reduce_rms_norm_policy,
+            site_policies=site_policies,
+            cudagraph_trees=cudagraphs,
         )
     }
     if sp:
         want["sp"] = PassOptions(
-            sp=True, async_tp=async_tp, ag_mm_policy=ag_mm_policy, mm_rs_policy=mm_rs_policy, site_policies=site_policies,
+            sp=True,
+            async_tp=async_tp,
+            ag_mm_policy=ag_mm_policy,
+            mm_rs_policy=mm_rs_policy,
+            site_policies=site_policies,
             cudagraph_trees=cudagraphs,
         )
     for name, options in want.items():
-        backend = TPBackend(variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options)
+        backend = TPBackend(
+            variant=name, sp_cfg=sp_cfg, options=options, report=report, inductor_options=inductor_options
+        )
         variants[name] = torch.compile(module, backend=backend, dynamic=None)
     return CompiledTP(module, variants, sp_min_tokens, report, num_tokens_fn or default_num_tokens, options=want)
 
 
-def _cached_table(module: torch.nn.Module, world_size: int) -> "StrategyTable | None":
+def _cached_table(module: torch.nn.Module, world_size: int) -> StrategyTable | None:
     """The calibration table for a tpweave model (one with a ModelConfig), if one was measured."""
     from tpweave.models.config import ModelConfig
     from tpweave.tuning.table import load_table, table_key

@@ -9,10 +9,11 @@ under torch 2.13 and 2.14). With Dynamo's ordinary guards a dynamic size is >= 2
 for it is never reused where it would be wrong. Duck sizing is off: equal sizes in one call (batch ==
 seq) would otherwise become one symbol, and a recompile when they differ.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.fx.experimental._config as fx_config

@@ -1,4 +1,5 @@
 """Small helpers for rewriting post-grad ATen graphs: insert a node with its fake value, sizes, counts."""
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,11 @@ def prod(sizes) -> Any:
 
 def all_reduce_waits(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """(wait_tensor, all_reduce) node pairs of the graph's functional all-reduces, in graph order."""
-    return [(n, n.args[0]) for n in graph.nodes
-            if n.target is funcol.wait_tensor.default and getattr(n.args[0], "target", None) is funcol.all_reduce.default]
+    return [
+        (n, n.args[0])
+        for n in graph.nodes
+        if n.target is funcol.wait_tensor.default and getattr(n.args[0], "target", None) is funcol.all_reduce.default
+    ]
 
 
 def count_collectives(graph: fx.Graph) -> dict[str, int]:

@@ -1,4 +1,5 @@
 """tpweave's logger. TPWEAVE_LOG=debug prints each graph before and after each pass."""
+
 from __future__ import annotations
 
 import logging

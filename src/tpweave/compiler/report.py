@@ -1,4 +1,5 @@
 """What the passes did to one compiled graph, and why they left a site alone."""
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ class GraphReport:
         row_bytes = None
         if len(shape) >= 1 and all(isinstance(d, int) for d in shape[1:]):
             row_bytes = math.prod(shape[1:]) * val.dtype.itemsize
-        site = Site(kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason, dtype, row_bytes)
+        site = Site(
+            kind, getattr(node, "name", str(node)), str(shape).replace(" ", ""), action, reason, dtype, row_bytes
+        )
         self.sites.append(site)
         return site
 

@@ -10,6 +10,7 @@ holds rows [rank*r, (rank+1)*r) of its tokens flattened, r = ceil(N/TP), as the 
   all_gather_tokens per Shard node, inserted right before the first consumer and shared by all.
 Nothing is guessed: an op that is not known to be token-wise gathers first and the report says so.
 """
+
 from __future__ import annotations
 
 import operator
@@ -19,7 +20,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import VIEW_OPS, GraphEditor, aten, funcol, is_tensor_node, prod, same, same_sizes, tpw, val
+from tpweave.compiler.graph_utils import (
+    VIEW_OPS,
+    GraphEditor,
+    aten,
+    funcol,
+    is_tensor_node,
+    prod,
+    same,
+    same_sizes,
+    tpw,
+    val,
+)
 from tpweave.compiler.report import GraphReport
 
 # Consumers that need every token by nature: gathering before them is the plan, not a fallback.
@@ -38,10 +50,22 @@ FULL_CONSUMERS = {
     aten.embedding.default,
 }
 
-REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var_mean.correction, aten.var.correction}
+REDUCTIONS = {
+    aten.mean.dim,
+    aten.sum.dim_IntList,
+    aten.amax.default,
+    aten.amin.default,
+    aten.var_mean.correction,
+    aten.var.correction,
+}
 SOFTMAXES = {aten._softmax.default, aten._log_softmax.default}
 NORMS = {aten.native_layer_norm.default, aten._fused_rms_norm.default}
-SAME_SHAPE_OPS = {torch.ops.prims.convert_element_type.default, aten.clone.default, aten._to_copy.default, aten.alias.default}
+SAME_SHAPE_OPS = {
+    torch.ops.prims.convert_element_type.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.alias.default,
+}
 
 
 @dataclass(frozen=True)
@@ -131,10 +155,17 @@ class SequenceParallelPass:
             x = ar.args[0]
         k = x_val.dim() - 1  # every dim but the hidden one is a token dim
         token_sizes = [self.edit.size_arg(x, d, before=wait) for d in range(k)]
-        rs = self.edit.insert(tpw.reduce_scatter_tokens.default, (x, k, self.cfg.group_name, self.cfg.world_size), before=wait)
+        rs = self.edit.insert(
+            tpw.reduce_scatter_tokens.default, (x, k, self.cfg.group_name, self.cfg.world_size), before=wait
+        )
         self.shards[wait] = Shard(rs, token_sizes)
         self.replaced |= {wait, ar}
-        self.report.add("all_reduce", ar, "sequence-parallel", "reduce_scatter_tokens; token-wise ops after it on 1/TP of the tokens")
+        self.report.add(
+            "all_reduce",
+            ar,
+            "sequence-parallel",
+            "reduce_scatter_tokens; token-wise ops after it on 1/TP of the tokens",
+        )
 
     # ---- gathers ------------------------------------------------------------------------------
     def _full(self, node: fx.Node, *, before: fx.Node) -> fx.Node:
@@ -163,7 +194,9 @@ class SequenceParallelPass:
                 full = self._full(inp, before=node)
                 node.replace_input_with(inp, full)
                 if first:
-                    self.report.add("all_gather", full, "inserted", f"for {why}" + (f" of {inp.name}" if unknown else ""))
+                    self.report.add(
+                        "all_gather", full, "inserted", f"for {why}" + (f" of {inp.name}" if unknown else "")
+                    )
                 if unknown:
                     self.report.notes.append(f"{node.name}: {why}")
 
@@ -249,8 +282,12 @@ class SequenceParallelPass:
                 return self.edit.insert(aten.view.default, (a, [1, *feats]), before=node)
             if av.dim() == out.dim() and same_sizes(lead, tokens):
                 # A replicated activation of the same tokens meets the shard: slice it here, for free.
-                sliced = self.edit.insert(tpw.shard_tokens.default, (a, k, self.cfg.rank, self.cfg.world_size), before=node)
-                self.report.add("replicated->shard", a, "sliced locally", f"meets sharded {sharded[0].name} in {node.name}")
+                sliced = self.edit.insert(
+                    tpw.shard_tokens.default, (a, k, self.cfg.rank, self.cfg.world_size), before=node
+                )
+                self.report.add(
+                    "replicated->shard", a, "sliced locally", f"meets sharded {sharded[0].name} in {node.name}"
+                )
                 return sliced
             raise NotTokenWise(f"operand {a.name} broadcasts over some token dims")
 
@@ -371,8 +408,12 @@ class SequenceParallelPass:
                     token_sizes[i] = out_shape[i]
                 else:
                     others = token_sizes[:i] + token_sizes[i + 1 :]
-                    token_sizes[i] = self._size_op(operator.floordiv, self._size_op(operator.mul, *sh.token_sizes, before=node),
-                                                   self._size_op(operator.mul, 1, *others, before=node), before=node)
+                    token_sizes[i] = self._size_op(
+                        operator.floordiv,
+                        self._size_op(operator.mul, *sh.token_sizes, before=node),
+                        self._size_op(operator.mul, 1, *others, before=node),
+                        before=node,
+                    )
         if same_sizes(tuple(feats), tuple(val(sh.local).shape[1:])):
             return Shard(sh.local, token_sizes)  # only the token dims change: the local tensor is the same
         rows = self.edit.size_arg(sh.local, 0, before=node)
@@ -401,4 +442,8 @@ def _map_args(args, fn):
 
 def _op_name(node: fx.Node) -> str:
     t = node.target
-    return getattr(t, "__name__", None) if not hasattr(t, "_schema") else str(t._schema.name) + (f".{t._overloadname}" if t._overloadname != "default" else "")
+    return (
+        getattr(t, "__name__", None)
+        if not hasattr(t, "_schema")
+        else str(t._schema.name) + (f".{t._overloadname}" if t._overloadname != "default" else "")
+    )

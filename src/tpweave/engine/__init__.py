@@ -1,7 +1,17 @@
 """Reference inference engine: sequence, block_manager, scheduler, model_runner, llm_engine."""
+
 from tpweave.engine.block_manager import BlockManager
 from tpweave.engine.llm_engine import LLMEngine
 from tpweave.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from tpweave.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
-__all__ = ["LLMEngine", "BlockManager", "SamplingParams", "ScheduledChunk", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]
+__all__ = [
+    "LLMEngine",
+    "BlockManager",
+    "SamplingParams",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+]

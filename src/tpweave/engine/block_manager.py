@@ -1,4 +1,5 @@
 """Paged KV-cache blocks: a free list and reference counts."""
+
 from __future__ import annotations
 
 from collections import deque

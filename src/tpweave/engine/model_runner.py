@@ -7,6 +7,7 @@ sequence) replay a CUDA graph captured per batch-size bucket; prefill and mixed 
 compiled model with dynamic M. The page pool has one block more than the block manager hands out:
 padded rows of a graph bucket write their K/V there.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -14,8 +15,8 @@ import bisect
 import torch
 import torch.distributed as dist
 
-from tpweave.engine.block_manager import slot_of
 from tpweave.compiler.backend import BASELINE
+from tpweave.engine.block_manager import slot_of
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
@@ -30,16 +31,35 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, ctx: TPContext, source, *, dtype: torch.dtype, seed: int, block_size: int, num_blocks: int | None,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, compile_model: bool,
-                 baseline: bool = False, sp_min_tokens: int | None = None, cuda_graphs: bool = True,
-                 gpu_memory_utilization: float = 0.9, **overrides):
+    def __init__(
+        self,
+        ctx: TPContext,
+        source,
+        *,
+        dtype: torch.dtype,
+        seed: int,
+        block_size: int,
+        num_blocks: int | None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        compile_model: bool,
+        baseline: bool = False,
+        sp_min_tokens: int | None = None,
+        cuda_graphs: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        **overrides,
+    ):
         self.ctx, self.block_size, self.dtype = ctx, block_size, dtype
         self.model = build_model(source, tp=ctx, dtype=dtype, seed=seed, **overrides)
         self.on_cuda = ctx.device.type == "cuda"
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         if num_blocks is None:
-            num_blocks = self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization) if self.on_cuda else DEFAULT_CPU_BLOCKS
+            num_blocks = (
+                self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
+                if self.on_cuda
+                else DEFAULT_CPU_BLOCKS
+            )
         self.num_blocks = num_blocks
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * block_size)
@@ -48,8 +68,12 @@ class ModelRunner:
             import tpweave
 
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
-            self.forward = tpweave.compile(self.model, sp=False if baseline else None, sp_min_tokens=sp_min_tokens,
-                                           **({k: v for k, v in BASELINE.items() if k != "sp"} if baseline else {}))
+            self.forward = tpweave.compile(
+                self.model,
+                sp=False if baseline else None,
+                sp_min_tokens=sp_min_tokens,
+                **({k: v for k, v in BASELINE.items() if k != "sp"} if baseline else {}),
+            )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_graph_replays = 0
         if cuda_graphs and self.on_cuda:
@@ -88,7 +112,8 @@ class ModelRunner:
             num_blocks = int(t)
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(
-                f"KV cache: {num_blocks} blocks of {self.block_size} tokens fit in {utilization:.0%} of GPU memory after "
+                f"KV cache: {num_blocks} blocks of {self.block_size} tokens fit in {utilization:.0%} of GPU memory "
+                "after "
                 f"weights and a {num_tokens}-token step (peak {peak / 2**30:.1f} GiB), fewer than one sequence of the "
                 "context length needs: lower max_model_len or max_num_batched_tokens, or raise gpu_memory_utilization"
             )
@@ -147,7 +172,9 @@ class ModelRunner:
         slots = self.pad_block * bs + pos % bs
         tables = torch.full((1, -(-num_tokens // bs)), self.pad_block, dtype=torch.int32, device=dev)
         positions = pos % self.model.config.max_position_embeddings
-        self.forward(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, cu, slots, cu[1:], tables, bs, cu[1:] - 1)
+        self.forward(
+            torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, cu, slots, cu[1:], tables, bs, cu[1:] - 1
+        )
         torch.cuda.synchronize(dev)
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
@@ -173,7 +200,16 @@ class ModelRunner:
 
     def _bucket_args(self, bucket: int) -> tuple:
         ids, pos, slots, ctx_lens, tables = (t[:bucket] for t in self._static)
-        return ids, pos, self._static_cu[: bucket + 1], slots, ctx_lens, tables, self.block_size, self._static_rows[:bucket]
+        return (
+            ids,
+            pos,
+            self._static_cu[: bucket + 1],
+            slots,
+            ctx_lens,
+            tables,
+            self.block_size,
+            self._static_rows[:bucket],
+        )
 
     def _decode_with_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         if not self.graphs or any(c.num_tokens != 1 for c in chunks) or len(chunks) > self._buckets[-1]:
@@ -206,7 +242,9 @@ class ModelRunner:
             if params.temperature == 0:
                 out[c.seq.seq_id] = greedy[b]
             else:
-                out[c.seq.seq_id] = sample(logits[b], params, seed=(params.seed or 0) * 1_000_003 + step * 7919 + c.seq.seq_id)
+                out[c.seq.seq_id] = sample(
+                    logits[b], params, seed=(params.seed or 0) * 1_000_003 + step * 7919 + c.seq.seq_id
+                )
         return out
 
 

@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill under a token budget, decodes and prefill chunks mixed in
 one step, and preemption by recompute when KV blocks run out. Every request ends finished or failed
 with its error; none is lost and the loop cannot stall."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -34,11 +35,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(
+        self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks = block_manager
-        self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -48,10 +55,16 @@ class Scheduler:
         if n == 0:
             raise ValueError("empty prompt: a request needs at least one token")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} (room for one new token is needed)")
+            raise ValueError(
+                f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} (room for one new "
+                "token is needed)"
+            )
         seq.params.validate()
         if self.blocks.blocks_for(n + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks} x {self.blocks.block_size})")
+            raise ValueError(
+                f"prompt of {n} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks} x "
+                f"{self.blocks.block_size})"
+            )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

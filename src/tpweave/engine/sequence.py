@@ -1,4 +1,5 @@
 """A request being generated: its tokens, progress through the prompt, and KV blocks."""
+
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,5 @@
 """Reference TP models: build from a preset (random weights) or from an HF-format directory."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Model configuration and the named presets (real dimensions; weights are random unless loaded)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +34,7 @@ class ModelConfig:
     quantization: str | None = None
     activation_scheme: str = "dynamic"
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def check_tp(self, tp: int) -> None:
@@ -73,20 +73,34 @@ class ModelConfig:
             "attention_bias": self.qkv_bias,
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
-            **({"quantization_config": {"quant_method": self.quantization, "activation_scheme": self.activation_scheme}}
-               if self.quantization else {}),
+            **(
+                {
+                    "quantization_config": {
+                        "quant_method": self.quantization,
+                        "activation_scheme": self.activation_scheme,
+                    }
+                }
+                if self.quantization
+                else {}
+            ),
         }
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], *, name: str = "hf") -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], *, name: str = "hf") -> ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported model_type {model_type!r} (tpweave loads llama, qwen2 and mistral-style checkpoints)")
+            raise ValueError(
+                f"unsupported model_type {model_type!r} (tpweave loads llama, qwen2 and mistral-style checkpoints)"
+            )
         quant = hf.get("quantization_config") or {}
         if quant and quant.get("quant_method") != "fp8":
-            raise ValueError(f"unsupported quantization_config.quant_method {quant.get('quant_method')!r} (supported: fp8)")
+            raise ValueError(
+                f"unsupported quantization_config.quant_method {quant.get('quant_method')!r} (supported: fp8)"
+            )
         if quant.get("weight_block_size"):
-            raise ValueError("block-wise FP8 weight scales (weight_block_size) are not supported: per-tensor or per-channel only")
+            raise ValueError(
+                "block-wise FP8 weight scales (weight_block_size) are not supported: per-tensor or per-channel only"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
         try:
@@ -114,22 +128,24 @@ class ModelConfig:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"{path} is not an HF-format model directory: no config.json")
         return cls.from_hf(json.loads(cfg_path.read_text()), name=Path(path).name)
 
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 PRESETS: dict[str, ModelConfig] = {
-    "llama3-8b": ModelConfig(
-        "llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, _LLAMA3_ROPE, 131072
-    ),
-    "llama3-70b": ModelConfig(
-        "llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, 1e-5, 500000.0, _LLAMA3_ROPE, 131072
-    ),
+    "llama3-8b": ModelConfig("llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, _LLAMA3_ROPE, 131072),
+    "llama3-70b": ModelConfig("llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, 1e-5, 500000.0, _LLAMA3_ROPE, 131072),
     "llama2-7b": ModelConfig("llama2-7b", 32000, 4096, 11008, 32, 32, 32, 128, 1e-5, 10000.0, None, 4096),
     "qwen2.5-7b": ModelConfig(
         "qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, 1e-6, 1000000.0, None, 32768, qkv_bias=True

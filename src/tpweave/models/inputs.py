@@ -1,4 +1,5 @@
 """Packed batches of token ids: the input format of every model and engine step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ def split_tokens(num_tokens: int, num_seqs: int) -> list[int]:
     return [base + (i < extra) for i in range(num_seqs)]
 
 
-def random_batch(seq_lens: list[int], *, vocab_size: int, seed: int = 0, device: str | torch.device = "cpu") -> PackedBatch:
+def random_batch(
+    seq_lens: list[int], *, vocab_size: int, seed: int = 0, device: str | torch.device = "cpu"
+) -> PackedBatch:
     if not seq_lens or any(n < 1 for n in seq_lens):
         raise ValueError(f"every sequence needs at least one token, got lengths {seq_lens}")
     gen = torch.Generator().manual_seed(seed)

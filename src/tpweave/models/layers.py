@@ -2,6 +2,7 @@
 
 Shapes: M tokens, H hidden, V vocab; a `_local` size is the per-rank share (size / TP).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,9 @@ class _Linear(nn.Module):
             if quant.activation_scheme == "static":
                 self.input_scale = _param(dtype=torch.float32, device=device)
             elif quant.activation_scheme != "dynamic":
-                raise ValueError(f"FP8 activation_scheme must be 'dynamic' or 'static', got {quant.activation_scheme!r}")
+                raise ValueError(
+                    f"FP8 activation_scheme must be 'dynamic' or 'static', got {quant.activation_scheme!r}"
+                )
         else:
             raise ValueError(f"unsupported quantization {quant.method!r} (supported: fp8)")
 
@@ -59,7 +62,16 @@ class _Linear(nn.Module):
 class ColumnParallelLinear(_Linear):
     """y_local = x @ W_local^T: output features split over ranks, input replicated, no communication."""
 
-    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, bias: bool, dtype: torch.dtype, quant: Quant = Quant()):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: TPContext,
+        bias: bool,
+        dtype: torch.dtype,
+        quant: Quant = Quant(),
+    ):
         super().__init__()
         self._init_weights(out_features // tp.world_size, in_features, quant=quant, dtype=dtype, device=tp.device)
         self.bias = _param(out_features // tp.world_size, dtype=dtype, device=tp.device) if bias else None
@@ -74,7 +86,9 @@ class RowParallelLinear(_Linear):
     With FP8 and dynamic scales each rank quantizes its own K-slice of a token (scale from that
     slice's amax), so TP=N differs from TP=1 by quantization rounding, not by more."""
 
-    def __init__(self, in_features: int, out_features: int, *, tp: TPContext, dtype: torch.dtype, quant: Quant = Quant()):
+    def __init__(
+        self, in_features: int, out_features: int, *, tp: TPContext, dtype: torch.dtype, quant: Quant = Quant()
+    ):
         super().__init__()
         self.group_name = tp.group_name
         self._init_weights(out_features, in_features // tp.world_size, quant=quant, dtype=dtype, device=tp.device)

@@ -3,6 +3,7 @@
 forward(input_ids_M, positions_M, cu_seqlens_B1) -> logits (M, V). The batch is packed: M tokens of
 B sequences, sequence b spanning rows cu_seqlens[b]:cu_seqlens[b+1].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,17 +44,23 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         quant = Quant(cfg.quantization, cfg.activation_scheme)
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp=tp, bias=cfg.qkv_bias, dtype=dtype, quant=quant)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, qkv_out, tp=tp, bias=cfg.qkv_bias, dtype=dtype, quant=quant
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp, dtype=dtype, quant=quant)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling, max_positions=cfg.max_position_embeddings, device=tp.device
+            cfg.head_dim,
+            theta=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            max_positions=cfg.max_position_embeddings,
+            device=tp.device,
         )
         self.scale = cfg.head_dim**-0.5
         # Paged KV cache (num_slots, kv heads, head dim), attached by the engine's model runner.
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: "KVMeta | None" = None) -> Tensor:
+    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:
         num_tokens = x_MH.shape[0]
         # View the contiguous qkv output as heads first, then split: views of the non-contiguous
         # q/k/v slices would make Inductor guard on M == 1 (a recompile at decode of one sequence).
@@ -64,7 +71,17 @@ class Attention(nn.Module):
             o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
         else:
             o = torch.ops.tpweave.paged_attention(
-                q, k, v, self.k_cache, self.v_cache, kv.slot_mapping, cu_seqlens, kv.context_lens, kv.block_tables, kv.block_size, self.scale
+                q,
+                k,
+                v,
+                self.k_cache,
+                self.v_cache,
+                kv.slot_mapping,
+                cu_seqlens,
+                kv.context_lens,
+                kv.block_tables,
+                kv.block_size,
+                self.scale,
             )
         return self.o_proj(o.view(num_tokens, self.num_heads * self.head_dim))
 
@@ -73,7 +90,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         quant = Quant(cfg.quantization, cfg.activation_scheme)
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, tp=tp, bias=False, dtype=dtype, quant=quant)
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, tp=tp, bias=False, dtype=dtype, quant=quant
+        )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype, quant=quant)
 
     def forward(self, x_MH: Tensor) -> Tensor:
@@ -89,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
         self.mlp = MLP(cfg, tp=tp, dtype=dtype)
 
-    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: "KVMeta | None" = None) -> Tensor:
+    def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:
         h = x_MH + self.self_attn(self.input_layernorm(x_MH), positions_M, cu_seqlens, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -101,7 +120,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp=tp, dtype=dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
 
-    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: "KVMeta | None" = None) -> Tensor:
+    def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:
         x_MH = self.embed_tokens(input_ids_M)
         for layer in self.layers:
             x_MH = layer(x_MH, positions_M, cu_seqlens, kv)
@@ -119,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_kv_cache(self, num_slots: int | None, *, share_with: "LlamaForCausalLM | None" = None) -> None:
+    def set_kv_cache(self, num_slots: int | None, *, share_with: LlamaForCausalLM | None = None) -> None:
         """Give every attention layer a paged KV cache of num_slots slots (None: drop it), in the
         model's dtype on its device, or the very tensors of `share_with`."""
         dtype = self.model.embed_tokens.weight.dtype

@@ -3,13 +3,14 @@
 One table drives random initialisation, safetensors loading and checkpoint writing, so a TP=1 and a
 TP=N build from the same seed or directory hold slices of the same full model.
 """
+
 from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -28,7 +29,15 @@ class Piece:
     stop: int = 0
 
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 # Static FP8 input scale of the random presets: inputs up to 8 in magnitude are represented.
 RANDOM_STATIC_INPUT_SCALE = 8.0 / 448.0
 
@@ -101,25 +110,36 @@ def param_sources(cfg: ModelConfig, *, rank: int, tp: int) -> dict[str, list[Pie
             p + "post_attention_layernorm.weight": [Piece(p + "post_attention_layernorm.weight", None)],
             p + "self_attn.qkv_proj.weight": [_rows(f"{p}self_attn.{n}.weight", size, rank, tp) for n, size in qkv],
             p + "self_attn.o_proj.weight": [_rows(p + "self_attn.o_proj.weight", cfg.num_heads * D, rank, tp, dim=1)],
-            p + "mlp.gate_up_proj.weight": [_rows(p + "mlp.gate_proj.weight", I, rank, tp), _rows(p + "mlp.up_proj.weight", I, rank, tp)],
+            p + "mlp.gate_up_proj.weight": [
+                _rows(p + "mlp.gate_proj.weight", I, rank, tp),
+                _rows(p + "mlp.up_proj.weight", I, rank, tp),
+            ],
             p + "mlp.down_proj.weight": [_rows(p + "mlp.down_proj.weight", I, rank, tp, dim=1)],
         }
         if cfg.qkv_bias:
             src[p + "self_attn.qkv_proj.bias"] = [_rows(f"{p}self_attn.{n}.bias", size, rank, tp) for n, size in qkv]
         if cfg.quantization:
             src |= {
-                p + "self_attn.qkv_proj.weight_scale": [_rows(f"{p}self_attn.{n}.weight_scale", size, rank, tp) for n, size in qkv],
+                p + "self_attn.qkv_proj.weight_scale": [
+                    _rows(f"{p}self_attn.{n}.weight_scale", size, rank, tp) for n, size in qkv
+                ],
                 p + "self_attn.o_proj.weight_scale": [Piece(p + "self_attn.o_proj.weight_scale", None)],
-                p + "mlp.gate_up_proj.weight_scale": [_rows(p + "mlp.gate_proj.weight_scale", I, rank, tp),
-                                                      _rows(p + "mlp.up_proj.weight_scale", I, rank, tp)],
+                p + "mlp.gate_up_proj.weight_scale": [
+                    _rows(p + "mlp.gate_proj.weight_scale", I, rank, tp),
+                    _rows(p + "mlp.up_proj.weight_scale", I, rank, tp),
+                ],
                 p + "mlp.down_proj.weight_scale": [Piece(p + "mlp.down_proj.weight_scale", None)],
             }
             if cfg.activation_scheme == "static":
                 # merged projections share one input scale: the largest (no input overflows)
                 src |= {
-                    p + "self_attn.qkv_proj.input_scale": [Piece(f"{p}self_attn.{n}.input_scale", None) for n, _ in qkv],
+                    p + "self_attn.qkv_proj.input_scale": [
+                        Piece(f"{p}self_attn.{n}.input_scale", None) for n, _ in qkv
+                    ],
                     p + "self_attn.o_proj.input_scale": [Piece(p + "self_attn.o_proj.input_scale", None)],
-                    p + "mlp.gate_up_proj.input_scale": [Piece(p + f"mlp.{n}.input_scale", None) for n in ("gate_proj", "up_proj")],
+                    p + "mlp.gate_up_proj.input_scale": [
+                        Piece(p + f"mlp.{n}.input_scale", None) for n in ("gate_proj", "up_proj")
+                    ],
                     p + "mlp.down_proj.input_scale": [Piece(p + "mlp.down_proj.input_scale", None)],
                 }
     del H
@@ -145,7 +165,9 @@ def load_weights(model: nn.Module, cfg: ModelConfig, fetch: Fetch, *, rank: int,
         else:
             value = torch.cat(pieces, dim=0)
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"weights for {name} have shape {tuple(value.shape)}, the model expects {tuple(param.shape)}")
+            raise ValueError(
+                f"weights for {name} have shape {tuple(value.shape)}, the model expects {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(value)
 
@@ -154,7 +176,9 @@ def _slice(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.stop - piece.start)
 
 
-def random_full_tensor(cfg: ModelConfig, name: str, *, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def random_full_tensor(
+    cfg: ModelConfig, name: str, *, seed: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The full tensor `name` of the random model `seed`: the same on every rank and for every TP degree."""
     if name.endswith("input_scale"):
         return torch.tensor(RANDOM_STATIC_INPUT_SCALE, device=device)
@@ -183,8 +207,13 @@ def random_fetch(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: tor
     return fetch
 
 
-def random_hf_state(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    return {name: random_full_tensor(cfg, name, seed=seed, dtype=dtype, device=torch.device(device)) for name in full_shapes(cfg)}
+def random_hf_state(
+    cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    return {
+        name: random_full_tensor(cfg, name, seed=seed, dtype=dtype, device=torch.device(device))
+        for name in full_shapes(cfg)
+    }
 
 
 class SafetensorsFetch:
@@ -225,7 +254,10 @@ class SafetensorsFetch:
             t = t.expand(want).contiguous() if t.numel() == 1 and want else t.reshape(want)
             return _slice(t, piece).to(self.device).contiguous()
         if shape != want:
-            raise ValueError(f"tensor {piece.hf_name!r} in {f.name} has shape {shape}, config.json implies {self.expected[piece.hf_name]}")
+            raise ValueError(
+                f"tensor {piece.hf_name!r} in {f.name} has shape {shape}, config.json implies "
+                f"{self.expected[piece.hf_name]}"
+            )
         if piece.dim is None:
             t = sl[:]
         elif piece.dim == 0:
@@ -235,7 +267,9 @@ class SafetensorsFetch:
         return t.to(device=self.device, dtype=hf_dtype(self.cfg, piece.hf_name, self.dtype)).contiguous()
 
 
-def save_hf_checkpoint(path: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], *, num_files: int = 1) -> None:
+def save_hf_checkpoint(
+    path: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], *, num_files: int = 1
+) -> None:
     """Write config.json and `num_files` safetensors files (+ index when several), HF naming."""
     from safetensors.torch import save_file
 
@@ -250,4 +284,6 @@ def save_hf_checkpoint(path: str | Path, cfg: ModelConfig, state: dict[str, torc
         save_file({n: state[n].contiguous().cpu() for n in chunk}, str(path / fname), metadata={"format": "pt"})
         weight_map |= {n: fname for n in chunk}
     if num_files > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+        )

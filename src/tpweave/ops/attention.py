@@ -3,6 +3,7 @@
 q_MHD (tokens, q heads, head dim), k_MKD / v_MKD (tokens, kv heads, head dim); cu_seqlens (B + 1,)
 int32 gives sequence boundaries in the packed token dim. GQA: q head h reads kv head h // (H / K).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,14 +33,18 @@ def _attention_cuda(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Ten
 
     # max_seqlen <= tokens: an upper bound keeps the op free of host syncs and of per-batch recompiles.
     num_tokens = q_MHD.shape[0]
-    out = varlen_attn(q_MHD, k_MKD, v_MKD, cu_seqlens, cu_seqlens, num_tokens, num_tokens, scale=scale, window_size=(-1, 0))
+    out = varlen_attn(
+        q_MHD, k_MKD, v_MKD, cu_seqlens, cu_seqlens, num_tokens, num_tokens, scale=scale, window_size=(-1, 0)
+    )
     return out.contiguous()
 
 
 @torch.library.custom_op("tpweave::attention", mutates_args=())
 def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16):
-        return _attention_cuda(q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens.to(torch.int32), scale)
+        return _attention_cuda(
+            q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens.to(torch.int32), scale
+        )
     return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
 
 
@@ -75,9 +80,13 @@ def paged_attention(
     if paged_decode.supported(q_MHD, k_cache):
         if num_tokens == num_seqs:  # one new token per sequence: decode (shapes only, no host sync)
             seq_of_token = torch.arange(num_seqs, dtype=torch.int32, device=q_MHD.device)
-            return paged_decode.paged_decode(q_MHD, k_cache, v_cache, block_tables, seq_of_token, context_lens, block_size, scale)
+            return paged_decode.paged_decode(
+                q_MHD, k_cache, v_cache, block_tables, seq_of_token, context_lens, block_size, scale
+            )
         return _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
-    return _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
+    return _paged_attention_reference(
+        q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale
+    )
 
 
 def _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale):
@@ -121,8 +130,15 @@ def _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         buf.index_copy_(0, dest_BL.flatten(), cache[slots_BL.flatten()])
         packed.append(buf)
     out = varlen_attn(
-        q_MHD.contiguous(), packed[0], packed[1], cu_seqlens_q.to(torch.int32), cu_k, q_MHD.shape[0], span,
-        scale=scale, window_size=(-1, 0),
+        q_MHD.contiguous(),
+        packed[0],
+        packed[1],
+        cu_seqlens_q.to(torch.int32),
+        cu_k,
+        q_MHD.shape[0],
+        span,
+        scale=scale,
+        window_size=(-1, 0),
     )
     return out.contiguous()
 

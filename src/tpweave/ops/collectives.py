@@ -6,6 +6,7 @@ are features F. A token shard holds ceil(N / TP) rows of shape F; the last shard
 `all_reduce` is a plain functional collective (Dynamo and our passes see `_c10d_functional.all_reduce`);
 the token ops are custom ops with fake implementations so N stays symbolic under torch.compile.
 """
+
 from __future__ import annotations
 
 import math

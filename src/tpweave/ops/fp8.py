@@ -5,6 +5,7 @@ channel (w_scale_N; a per-tensor scale is the same value on every channel); acti
 (dynamic: scale from each row's amax) or with one static scale. Both quantizations are token-wise,
 so under sequence parallelism they run on the token shard and the all-gather moves FP8 bytes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,17 +54,27 @@ def has_scaled_mm(device_type: str) -> bool:
 
 
 @torch.library.custom_op("tpweave::scaled_mm", mutates_args=())
-def scaled_mm(x_fp8_MK: Tensor, w_fp8_NK: Tensor, x_scale_M1: Tensor, w_scale_N: Tensor, bias: Tensor | None,
-              out_dtype: torch.dtype) -> Tensor:
+def scaled_mm(
+    x_fp8_MK: Tensor,
+    w_fp8_NK: Tensor,
+    x_scale_M1: Tensor,
+    w_scale_N: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
     """(x * x_scale) @ (w * w_scale)^T (+ bias) in out_dtype: torch._scaled_mm where the device has
     row-wise scaled FP8 matmuls, else emulated (dequantize, matmul in fp32). One opaque op: traced,
     torch._scaled_mm's size checks would specialize M == 1 and compile a second graph."""
     # Row-wise scaled FP8 matmuls produce bf16 (CUDA supports no other output with row-wise scales).
     # The scales must be strided (1, 1) even in their size-1 dims, which .contiguous() does not ensure.
     if out_dtype == torch.bfloat16 and has_scaled_mm(x_fp8_MK.device.type):
-        y = torch._scaled_mm(x_fp8_MK, w_fp8_NK.t(), scale_a=x_scale_M1.reshape(-1).contiguous().unsqueeze(1),
-                             scale_b=w_scale_N.reshape(-1).contiguous().unsqueeze(0),
-                             out_dtype=out_dtype)
+        y = torch._scaled_mm(
+            x_fp8_MK,
+            w_fp8_NK.t(),
+            scale_a=x_scale_M1.reshape(-1).contiguous().unsqueeze(1),
+            scale_b=w_scale_N.reshape(-1).contiguous().unsqueeze(0),
+            out_dtype=out_dtype,
+        )
     else:
         y = ((x_fp8_MK.float() * x_scale_M1) @ (w_fp8_NK.float() * w_scale_N.view(-1, 1)).t()).to(out_dtype)
     return y if bias is None else y + bias

@@ -6,12 +6,13 @@ string baked into the graph: "name" or "name@m0,name2@m1,..." meaning name2 from
 The strategies live in ops/strategies/, one per file, and register themselves in STRATEGIES.
 On CPU (and for any strategy that cannot run) the op falls back to `sequential`, so CI runs the same graph.
 """
+
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -61,7 +62,10 @@ def parse_policy(policy: str) -> tuple[tuple[int, str], ...]:
 def without_unsafe_under_cudagraph_trees(policy: str) -> str:
     """The policy with every strategy that cannot run inside Inductor's CUDA graph trees replaced by
     'sequential' (tpweave's own capture, bench/timing.py, warms up outside the pool and can run them)."""
-    steps = [(m, n if STRATEGIES.get(n, STRATEGIES["sequential"]).cudagraph_trees_safe else "sequential") for m, n in parse_policy(policy)]
+    steps = [
+        (m, n if STRATEGIES.get(n, STRATEGIES["sequential"]).cudagraph_trees_safe else "sequential")
+        for m, n in parse_policy(policy)
+    ]
     return ",".join(f"{n}@{m}" for m, n in steps)
 
 
@@ -84,7 +88,7 @@ def pick(policy: str, num_tokens: int, x: Tensor, kind: str) -> Strategy:
     return strategy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_fallback(name: str, kind: str) -> None:
     from tpweave.compiler.log import logger
 
@@ -95,7 +99,7 @@ def _warn_fallback(name: str, kind: str) -> None:
 def ag_mm(
     x_local: Tensor,
     weights: list[Tensor],
-    biases: list[Optional[Tensor]],
+    biases: list[Tensor | None],
     token_sizes: list[int],
     group_name: str,
     world_size: int,
@@ -128,8 +132,17 @@ def _(a, weight, group_name, world_size, policy):
     return a.new_empty(shard_rows(a.shape[0], world_size), weight.shape[1])
 
 
-def compose_mm_rs_rms_norm(name: str, a: Tensor, weight: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float,
-                           weight_in_fp32: bool, group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
+def compose_mm_rs_rms_norm(
+    name: str,
+    a: Tensor,
+    weight: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    group_name: str,
+    world_size: int,
+) -> tuple[Tensor, Tensor]:
     """Strategy `name`'s matmul + reduce-scatter, then one residual-add + RMSNorm kernel."""
     from tpweave.ops.rms_norm import add_rms_norm
 
@@ -138,8 +151,17 @@ def compose_mm_rs_rms_norm(name: str, a: Tensor, weight: Tensor, residual: Optio
 
 
 @torch.library.custom_op("tpweave::mm_rs_rms_norm", mutates_args=())
-def mm_rs_rms_norm(a: Tensor, weight: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float, weight_in_fp32: bool,
-                   group_name: str, world_size: int, policy: str) -> tuple[Tensor, Tensor]:
+def mm_rs_rms_norm(
+    a: Tensor,
+    weight: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    group_name: str,
+    world_size: int,
+    policy: str,
+) -> tuple[Tensor, Tensor]:
     """(rms_norm(h) * norm_weight, h) with h = mm_rs(a, weight) + residual: this rank's (ceil(N/TP), H) rows."""
     chosen = chosen_name(policy, a.shape[0])
     strategy = STRATEGIES.get(chosen)
@@ -162,7 +184,7 @@ def ag_scaled_mm(
     x_scale_local: Tensor,
     weights: list[Tensor],
     w_scales: list[Tensor],
-    biases: list[Optional[Tensor]],
+    biases: list[Tensor | None],
     token_sizes: list[int],
     group_name: str,
     world_size: int,
@@ -173,22 +195,54 @@ def ag_scaled_mm(
     """FP8 ag_mm: [A, A_scale, scaled_mm(A, W_0, A_scale, w_scale_0) (+ b_0), ...] with A (N, K) FP8 and
     A_scale (N, 1) gathered from the token shards; W_i (N_i, K) FP8, w_scale_i (N_i,). need_gathered as in ag_mm."""
     strategy = pick(policy, math.prod(token_sizes), x_local, "ag_scaled_mm")
-    return strategy.ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype,
-                                 need_gathered=need_gathered)
+    return strategy.ag_scaled_mm(
+        x_local,
+        x_scale_local,
+        weights,
+        w_scales,
+        biases,
+        token_sizes,
+        group_name,
+        world_size,
+        out_dtype,
+        need_gathered=need_gathered,
+    )
 
 
 @ag_scaled_mm.register_fake
-def _(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, policy, need_gathered=True):
+def _(
+    x_local,
+    x_scale_local,
+    weights,
+    w_scales,
+    biases,
+    token_sizes,
+    group_name,
+    world_size,
+    out_dtype,
+    policy,
+    need_gathered=True,
+):
     num_tokens = math.prod(token_sizes)
-    return [x_local.new_empty(*token_sizes, *x_local.shape[1:]), x_scale_local.new_empty(*token_sizes, *x_scale_local.shape[1:])] + [
-        x_local.new_empty(num_tokens, w.shape[0], dtype=out_dtype) for w in weights
-    ]
+    return [
+        x_local.new_empty(*token_sizes, *x_local.shape[1:]),
+        x_scale_local.new_empty(*token_sizes, *x_scale_local.shape[1:]),
+    ] + [x_local.new_empty(num_tokens, w.shape[0], dtype=out_dtype) for w in weights]
 
 
 @torch.library.custom_op("tpweave::scaled_mm_rs", mutates_args=())
-def scaled_mm_rs(a: Tensor, a_scale: Tensor, weight: Tensor, w_scale: Tensor, group_name: str, world_size: int,
-                 out_dtype: torch.dtype, policy: str) -> Tensor:
-    """reduce_scatter_tokens(scaled_mm(a, weight, a_scale, w_scale)): this rank's (ceil(N/TP), N_out) rows of the sum."""
+def scaled_mm_rs(
+    a: Tensor,
+    a_scale: Tensor,
+    weight: Tensor,
+    w_scale: Tensor,
+    group_name: str,
+    world_size: int,
+    out_dtype: torch.dtype,
+    policy: str,
+) -> Tensor:
+    """reduce_scatter_tokens(scaled_mm(a, weight, a_scale, w_scale)): this rank's (ceil(N/TP), N_out) "
+    "rows of the sum."""
     strategy = pick(policy, a.shape[0], a, "scaled_mm_rs")
     return strategy.scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
 
@@ -210,8 +264,16 @@ def _(x, group_name, world_size, policy):
     return torch.empty_like(x)
 
 
-def compose_all_reduce_rms_norm(name: str, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, weight_in_fp32: bool,
-                                group_name: str, world_size: int) -> tuple[Tensor, Tensor]:
+def compose_all_reduce_rms_norm(
+    name: str,
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    group_name: str,
+    world_size: int,
+) -> tuple[Tensor, Tensor]:
     """Strategy `name`'s all-reduce, then one residual-add + RMSNorm kernel."""
     from tpweave.ops.rms_norm import add_rms_norm
 
@@ -220,8 +282,16 @@ def compose_all_reduce_rms_norm(name: str, x: Tensor, residual: Optional[Tensor]
 
 
 @torch.library.custom_op("tpweave::all_reduce_rms_norm", mutates_args=())
-def all_reduce_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, weight_in_fp32: bool,
-                        group_name: str, world_size: int, policy: str) -> tuple[Tensor, Tensor]:
+def all_reduce_rms_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    group_name: str,
+    world_size: int,
+    policy: str,
+) -> tuple[Tensor, Tensor]:
     """(rms_norm(h) * weight, h) with h = all_reduce(x) + residual (ops/rms_norm.py has the rounding rules)."""
     chosen = chosen_name(policy, math.prod(x.shape[:-1]))
     strategy = STRATEGIES.get(chosen)
@@ -237,8 +307,8 @@ def _(x, residual, weight, eps, weight_in_fp32, group_name, world_size, policy):
     return x.new_empty(x.shape, dtype=out_dtype(x, weight, weight_in_fp32)), torch.empty_like(x)
 
 
+from tpweave.ops.strategies import ce_overlap as _ce_overlap  # noqa: E402,F401
 from tpweave.ops.strategies import sequential as _sequential  # noqa: E402,F401  (registers)
 from tpweave.ops.strategies import symm_mem_allreduce as _symm_mem_allreduce  # noqa: E402,F401
 from tpweave.ops.strategies import symm_mem_fused as _symm_mem_fused  # noqa: E402,F401
 from tpweave.ops.strategies import triton_ar_norm as _triton_ar_norm  # noqa: E402,F401
-from tpweave.ops.strategies import ce_overlap as _ce_overlap  # noqa: E402,F401

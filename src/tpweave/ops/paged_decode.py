@@ -5,6 +5,7 @@ Legend: M query tokens, H q heads, K kv heads (GQA group H // K), D head dim, S 
 Each program takes one token, one kv head (all GROUP q heads of it at once, padded to 16 rows for
 tl.dot) and one split of the context; a second step merges the splits by their log-sum-exp.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,11 +39,33 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr,
-        stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-        stride_om, stride_oh, stride_os, stride_lm, stride_lh,
-        scale, block_size, tokens_per_split,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        seq_ptr,
+        kv_len_ptr,
+        o_ptr,
+        lse_ptr,
+        stride_qm,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        stride_tb,
+        stride_om,
+        stride_oh,
+        stride_os,
+        stride_lm,
+        stride_lh,
+        scale,
+        block_size,
+        tokens_per_split,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         tok = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -77,7 +100,11 @@ if triton is not None:
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(o_ptr + tok * stride_om + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=row_ok[:, None])
+        tl.store(
+            o_ptr + tok * stride_om + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+            out,
+            mask=row_ok[:, None],
+        )
         tl.store(lse_ptr + tok * stride_lm + heads * stride_lh + split, lse, mask=row_ok)
 
 
@@ -93,8 +120,14 @@ def num_splits(num_tokens: int, num_kv_heads: int, max_context: int, device: tor
 
 
 def paged_decode(
-    q_MHD: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_of_token: Tensor, kv_len_of_token: Tensor,
-    block_size: int, scale: float,
+    q_MHD: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_of_token: Tensor,
+    kv_len_of_token: Tensor,
+    block_size: int,
+    scale: float,
 ) -> Tensor:
     """Token i attends to the first kv_len_of_token[i] positions of sequence seq_of_token[i]."""
     num_tokens, num_heads, head_dim = q_MHD.shape
@@ -109,11 +142,33 @@ def paged_decode(
     o_MHSD = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q_MHD.device)
     lse_MHS = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_MHD.device)
     _paged_decode_kernel[(num_tokens, num_kv_heads, splits)](
-        q_MHD, k_cache, v_cache, block_tables, seq_of_token, kv_len_of_token, o_MHSD, lse_MHS,
-        q_MHD.stride(0), q_MHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), o_MHSD.stride(0), o_MHSD.stride(1), o_MHSD.stride(2), lse_MHS.stride(0), lse_MHS.stride(1),
-        scale, block_size, per_split,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N,
+        q_MHD,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_of_token,
+        kv_len_of_token,
+        o_MHSD,
+        lse_MHS,
+        q_MHD.stride(0),
+        q_MHD.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        block_tables.stride(0),
+        o_MHSD.stride(0),
+        o_MHSD.stride(1),
+        o_MHSD.stride(2),
+        lse_MHS.stride(0),
+        lse_MHS.stride(1),
+        scale,
+        block_size,
+        per_split,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK=BLOCK_N,
     )
     if splits == 1:
         return o_MHSD[:, :, 0].to(q_MHD.dtype)

@@ -9,6 +9,7 @@ Two weight orders exist in the wild and give different roundings, so both are ke
 `add_rms_norm` runs one Triton kernel on CUDA (the reference's ops otherwise); the fused all-reduce
 kernel in ops/strategies/triton_ar_norm.py shares `_norm_rows` so both round the same way.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ def out_dtype(x: Tensor, weight: Tensor, weight_in_fp32: bool) -> torch.dtype:
     return x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
 
 
-def add_rms_norm_reference(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool,
-                           s2: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def add_rms_norm_reference(
+    s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool, s2: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     s = s if s2 is None else s + s2
     h = s if residual is None else s + residual
     h32 = h.float()
@@ -57,12 +59,25 @@ def num_warps_for(hidden: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                   WEIGHT_FP32: tl.constexpr):
+    def _norm_rows(
+        s,
+        res_ptr,
+        w,
+        h_ptr,
+        y_ptr,
+        offs,
+        mask,
+        eps,
+        H: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        WEIGHT_FP32: tl.constexpr,
+    ):
         """s: one row's fp32 sum (BLOCK_H,); w: fp32 weight. Stores h and y at offs."""
         h = s.to(h_ptr.dtype.element_ty)  # the all-reduce's output, rounded to the model dtype
         if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+            h = (h.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(
+                h_ptr.dtype.element_ty
+            )
         tl.store(h_ptr + offs, h, mask=mask)
         h32 = h.to(tl.float32)
         n32 = h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / H + eps)
@@ -73,8 +88,20 @@ if triton is not None:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(s_ptr, s2_ptr, res_ptr, w_ptr, h_ptr, y_ptr, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                             HAS_S2: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+    def _add_rms_norm_kernel(
+        s_ptr,
+        s2_ptr,
+        res_ptr,
+        w_ptr,
+        h_ptr,
+        y_ptr,
+        eps,
+        H: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        HAS_S2: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        WEIGHT_FP32: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
@@ -86,8 +113,9 @@ if triton is not None:
         _norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
-def add_rms_norm(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool,
-                 s2: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool, s2: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(y, h): one kernel on CUDA, the reference elsewhere. s, s2 and residual: (..., H); weight: (H,)."""
     if not triton_supported(s, weight) or any(t is not None and t.dtype != s.dtype for t in (residual, s2)):
         return add_rms_norm_reference(s, residual, weight, eps=eps, weight_in_fp32=weight_in_fp32, s2=s2)
@@ -98,8 +126,19 @@ def add_rms_norm(s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: flo
     y = torch.empty(s.shape, dtype=out_dtype(s, weight, weight_in_fp32), device=s.device)
     num_rows = s.numel() // hidden
     if num_rows:
-        _add_rms_norm_kernel[(num_rows,)](s, s if s2 is None else s2.contiguous(), res, weight.contiguous(), h, y, eps,
-                                          H=hidden, BLOCK_H=block_h(hidden), HAS_S2=s2 is not None,
-                                          HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_in_fp32,
-                                          num_warps=num_warps_for(hidden))
+        _add_rms_norm_kernel[(num_rows,)](
+            s,
+            s if s2 is None else s2.contiguous(),
+            res,
+            weight.contiguous(),
+            h,
+            y,
+            eps,
+            H=hidden,
+            BLOCK_H=block_h(hidden),
+            HAS_S2=s2 is not None,
+            HAS_RESIDUAL=residual is not None,
+            WEIGHT_FP32=weight_in_fp32,
+            num_warps=num_warps_for(hidden),
+        )
     return y, h

@@ -4,6 +4,7 @@ Like NCCL communicators these are process-wide resources: a buffer must exist (r
 every rank) before a graph that uses it is captured, since capture cannot allocate or rendezvous.
 `reserve` sizes them for the largest M up front; growing during capture raises a clear error.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,9 @@ _HANDLES: dict[int, object] = {}  # id(buffer) -> its rendezvous handle (peer po
 _RETIRED: list[torch.Tensor] = []
 
 
-def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.device, *, tag: str = "staging") -> torch.Tensor:
+def reserve(
+    group_name: str, numel: int, dtype: torch.dtype, device: torch.device, *, tag: str = "staging"
+) -> torch.Tensor:
     """The buffer for (group, dtype, device, tag), at least `numel` elements. Kernels that keep their
     own signalling in the signal pads take their own tag, so no two protocols share a pad."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -26,8 +29,10 @@ def reserve(group_name: str, numel: int, dtype: torch.dtype, device: torch.devic
     if buf is None or buf.numel() < numel:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"symmetric buffer for group {group_name} holds {0 if buf is None else buf.numel()} elements, {numel} needed "
-                "during CUDA graph capture: run the largest M once (or call tpweave.ops.symm_buffers.reserve) before capturing"
+                f"symmetric buffer for group {group_name} holds {0 if buf is None else buf.numel()} elements, {numel} "
+                "needed "
+                "during CUDA graph capture: run the largest M once (or call tpweave.ops.symm_buffers.reserve) before "
+                "capturing"
             )
         if buf is not None:
             _RETIRED.append(buf)
@@ -50,7 +55,7 @@ def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return view
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wait_timeout_ms(group_name: str) -> int:
     """How long a kernel waits for a peer's signal before it stops the process with a message: the
     group's collective timeout, the bound on legitimate skew that NCCL collectives have too (a rank
@@ -68,7 +73,7 @@ def wait_timeout_ms(group_name: str) -> int:
     return int(DEFAULT_COLLECTIVE_TIMEOUT_S * 1000)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_symm_mem_ops(*names: str) -> bool:
     """Whether torch.ops.symm_mem has all of `names` (importing the module that registers them)."""
     try:

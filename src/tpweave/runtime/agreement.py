@@ -1,9 +1,11 @@
 """Start-up check that every rank runs the same model and options."""
+
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -28,5 +30,7 @@ def check_ranks_agree(values: Mapping[str, Any], *, group: dist.ProcessGroup | N
     for rank, (_, other) in enumerate(gathered):
         for key in sorted(set(ref) | set(other)):
             if ref.get(key) != other.get(key):
-                diffs.append(f"{key!r}: rank 0 has {ref.get(key, '<missing>')}, rank {rank} has {other.get(key, '<missing>')}")
+                diffs.append(
+                    f"{key!r}: rank 0 has {ref.get(key, '<missing>')}, rank {rank} has {other.get(key, '<missing>')}"
+                )
     raise ValueError(f"ranks disagree on {what}: " + "; ".join(diffs[:8]))

@@ -1,4 +1,5 @@
 """The tensor-parallel context every TP layer and pass receives explicitly."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,17 +18,21 @@ class TPContext:
     device: torch.device
 
     @classmethod
-    def single(cls, device: str | torch.device = "cpu") -> "TPContext":
+    def single(cls, device: str | torch.device = "cpu") -> TPContext:
         return cls(rank=0, world_size=1, group_name=None, device=torch.device(device))
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> "TPContext":
+    def from_group(cls, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> TPContext:
         if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialized: call tpweave.init_distributed() or use tpweave.launch()")
+            raise ValueError(
+                "torch.distributed is not initialized: call tpweave.init_distributed() or use tpweave.launch()"
+            )
         group = group if group is not None else dist.group.WORLD
         if device is None:
             device = default_device(dist.get_rank(group))
-        return cls(rank=dist.get_rank(group), world_size=dist.get_world_size(group), group_name=group.group_name, device=device)
+        return cls(
+            rank=dist.get_rank(group), world_size=dist.get_world_size(group), group_name=group.group_name, device=device
+        )
 
     @property
     def group(self) -> dist.ProcessGroup | None:

@@ -1,4 +1,5 @@
 """Process-group setup from torchrun's environment (or from `launch`)."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,10 @@ def init_distributed(*, backend: str | None = None, timeout_s: float | None = No
         os.environ.setdefault(key, value)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing and not dist.is_initialized():
-        raise ValueError(f"cannot join a process group: environment lacks {', '.join(missing)} (start with torchrun or tpweave.launch)")
+        raise ValueError(
+            f"cannot join a process group: environment lacks {', '.join(missing)} (start with torchrun or "
+            "tpweave.launch)"
+        )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     backend = backend or pick_backend(world_size)

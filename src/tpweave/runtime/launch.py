@@ -5,6 +5,7 @@ fn(ctx, *args). The caller gets every rank's return value, or the first failing 
 its traceback. A rank that dies, or a run that outlives `timeout_s`, ends all ranks with an error;
 workers exit when the launching process dies.
 """
+
 from __future__ import annotations
 
 import io
@@ -14,7 +15,8 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,11 +51,19 @@ def _exit_with_parent() -> None:
         threading.Thread(target=lambda: (parent.join(), os._exit(1)), name="tpweave-parent-watch", daemon=True).start()
 
 
-def _worker(rank: int, nprocs: int, port: int, backend: str, collective_timeout_s: float, results, fn, args, kwargs) -> None:
+def _worker(
+    rank: int, nprocs: int, port: int, backend: str, collective_timeout_s: float, results, fn, args, kwargs
+) -> None:
     _exit_with_parent()
     os.environ.update(SAFE_ENV)
     os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
     )
     from tpweave.runtime.groups import destroy_distributed, init_distributed
 
@@ -120,16 +130,23 @@ def launch(
                 time.sleep(1.0)  # let the other ranks' reports arrive, to name the root cause
                 failures |= _drain(results, outputs)
                 silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and not p.is_alive()]
-                failures |= {r: f"process exited with code {procs[r].exitcode} without reporting a result" for r in silent}
+                failures |= {
+                    r: f"process exited with code {procs[r].exitcode} without reporting a result" for r in silent
+                }
                 # A rank that died silently is the cause; the peers' errors are its consequence.
                 root = silent[0] if silent else next(iter(failures))  # first reported
                 others = "".join(
-                    f"\nrank {r} also failed: {msg.strip().splitlines()[-1]}" for r, msg in sorted(failures.items()) if r != root
+                    f"\nrank {r} also failed: {msg.strip().splitlines()[-1]}"
+                    for r, msg in sorted(failures.items())
+                    if r != root
                 )
                 raise WorkerError(root, failures[root] + others)
             if time.monotonic() > deadline:
                 pending = sorted(set(range(nprocs)) - set(outputs))
-                raise TimeoutError(f"launch timed out after {timeout_s:.0f}s; ranks {pending} had not finished (hung collective or dead peer?)")
+                raise TimeoutError(
+                    f"launch timed out after {timeout_s:.0f}s; ranks {pending} had not finished "
+                    "(hung collective or dead peer?)"
+                )
             time.sleep(0.02)
     finally:
         for p in procs:

@@ -1,10 +1,10 @@
 """`tpweave calibrate`: time every strategy for every site shape on a grid of M, keep the winners,
 then time the SP graph against the plain graph per layer to find where SP starts to pay."""
+
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
-
 
 from tpweave.bench.layer import BenchSettings, bench_layers, bench_ops
 from tpweave.models.config import DTYPES, get_preset
@@ -48,16 +48,30 @@ def sp_min_from_layer_rows(rows: list[dict[str, Any]]) -> int:
     return sp_min
 
 
-def calibrate(ctx: TPContext, model: str, *, dtype_name: str, grid: list[int], settings: BenchSettings, num_layers: int) -> StrategyTable:
+def calibrate(
+    ctx: TPContext, model: str, *, dtype_name: str, grid: list[int], settings: BenchSettings, num_layers: int
+) -> StrategyTable:
     cfg = get_preset(model)
     dtype = DTYPES[dtype_name]
     op_rows = bench_ops(ctx, model, grid, dtype_name=dtype_name, settings=settings)
     by_site: dict[str, list] = defaultdict(list)
     for r in op_rows:
         by_site[r["site"]].append(r)
-    table = StrategyTable(key=table_key(cfg, tp=ctx.world_size, dtype=dtype), policies={s: policy_from_op_rows(rows) for s, rows in by_site.items()}, sp_min_tokens=0)
-    layer_rows = bench_layers(ctx, model, grid, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table,
-                              arms=("baseline", "auto", "compute_only"))
+    table = StrategyTable(
+        key=table_key(cfg, tp=ctx.world_size, dtype=dtype),
+        policies={s: policy_from_op_rows(rows) for s, rows in by_site.items()},
+        sp_min_tokens=0,
+    )
+    layer_rows = bench_layers(
+        ctx,
+        model,
+        grid,
+        dtype_name=dtype_name,
+        num_layers=num_layers,
+        settings=settings,
+        table=table,
+        arms=("baseline", "auto", "compute_only"),
+    )
     table.sp_min_tokens = sp_min_from_layer_rows(layer_rows)
     table.measurements = {"ops": op_rows, "layers": layer_rows}
     return table

@@ -1,6 +1,7 @@
 """The measured strategy table: per collective site shape, which strategy wins for which M, and
 from which M the sequence-parallel graph beats the plain TP graph. Cached as JSON, keyed by GPU,
 TP degree, dtype, torch version and the model's site shapes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -78,9 +79,14 @@ class StrategyTable:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "StrategyTable":
+    def from_json(cls, text: str) -> StrategyTable:
         raw = json.loads(text)
-        table = cls(key=raw["key"], policies=dict(raw["policies"]), sp_min_tokens=int(raw["sp_min_tokens"]), measurements=raw.get("measurements", {}))
+        table = cls(
+            key=raw["key"],
+            policies=dict(raw["policies"]),
+            sp_min_tokens=int(raw["sp_min_tokens"]),
+            measurements=raw.get("measurements", {}),
+        )
         if not all(isinstance(v, str) for v in table.policies.values()) or table.sp_min_tokens < 0:
             raise ValueError("malformed policies or sp_min_tokens")
         return table
@@ -108,14 +114,25 @@ def load_table(key: dict[str, Any]) -> StrategyTable | None:
     """The cached table for `key`, or None (with one log line saying why and what would help)."""
     path = table_path(key)
     if not path.exists():
-        logger.info("no calibration table for %s TP=%s %s: built-in defaults (run `tpweave calibrate` to tune)", key["device"], key["tp"], key["dtype"])
+        logger.info(
+            "no calibration table for %s TP=%s %s: built-in defaults (run `tpweave calibrate` to tune)",
+            key["device"],
+            key["tp"],
+            key["dtype"],
+        )
         return None
     try:
         table = StrategyTable.from_json(path.read_text())
     except (ValueError, KeyError, TypeError) as e:
-        logger.warning("calibration table %s is corrupt (%s): ignored, using built-in defaults; `tpweave calibrate` rebuilds it", path, e)
+        logger.warning(
+            "calibration table %s is corrupt (%s): ignored, using built-in defaults; `tpweave calibrate` rebuilds it",
+            path,
+            e,
+        )
         return None
     if table.key != key:
-        logger.warning("calibration table %s is stale (made for %s): ignored; `tpweave calibrate` rebuilds it", path, table.key)
+        logger.warning(
+            "calibration table %s is stale (made for %s): ignored; `tpweave calibrate` rebuilds it", path, table.key
+        )
         return None
     return table

@@ -17,11 +17,12 @@ Every wait ends at the group's collective timeout (torch's signal kernels then p
 channel, and trap): a dead peer stops this process instead of hanging its GPU.
 CUDA only, P2P-reachable peers; elsewhere `pick` falls back to `sequential`.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from tpweave.ops.overlap import Strategy, register
 _BARRIER, _FILLED = 0, 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _side_stream(device: torch.device, role: str = "copy") -> torch.cuda.Stream:
     """One stream per (device, role): "copy" for the pushes and signals, "compute" for ce_overlap_2s."""
     return torch.cuda.Stream(device=device)
@@ -62,8 +63,15 @@ def _token_range(rank: int, rows: int, num_tokens: int) -> tuple[int, int]:
     return lo, min(lo + rows, num_tokens)
 
 
-def _gather_and_consume(parts: list[Tensor], num_tokens: int, group_name: str, world_size: int,
-                        consume: Callable[[int, int, list[Tensor]], None], *, overlap_gemms: bool) -> None:
+def _gather_and_consume(
+    parts: list[Tensor],
+    num_tokens: int,
+    group_name: str,
+    world_size: int,
+    consume: Callable[[int, int, list[Tensor]], None],
+    *,
+    overlap_gemms: bool,
+) -> None:
     """Push this rank's shard tensors `parts` (each (rows, width_i): FP8 rows and their scales, say) into
     every peer's receive slots; call consume(lo, hi, [part rows]) for the own rows at once and for each
     peer's rows once they arrived. Returns with the caller's stream after everything."""
@@ -118,20 +126,37 @@ def _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, nee
         if need_gathered:
             gathered[lo:hi].copy_(parts[0])
 
-    _gather_and_consume([x_local.contiguous()], num_tokens, group_name, world_size, consume, overlap_gemms=overlap_gemms)
+    _gather_and_consume(
+        [x_local.contiguous()], num_tokens, group_name, world_size, consume, overlap_gemms=overlap_gemms
+    )
     return [gathered.view(*token_sizes, k), *outs]
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
-    return _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=False)
+    return _ag_mm(
+        x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=False
+    )
 
 
 def ag_mm_overlapped_gemms(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
-    return _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=True)
+    return _ag_mm(
+        x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=True
+    )
 
 
-def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, *,
-                 need_gathered=True):
+def ag_scaled_mm(
+    x_local,
+    x_scale_local,
+    weights,
+    w_scales,
+    biases,
+    token_sizes,
+    group_name,
+    world_size,
+    out_dtype,
+    *,
+    need_gathered=True,
+):
     """FP8: the shard's FP8 rows and their (rows, 1) scales travel together; each chunk's scaled matmuls
     start when both arrived."""
     num_tokens, k = math.prod(token_sizes), x_local.shape[-1]
@@ -152,8 +177,14 @@ def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes,
     return [gathered.view(*token_sizes, k), gathered_scale.view(*token_sizes, *x_scale_local.shape[1:]), *outs]
 
 
-def _produce_and_push(num_tokens: int, width: int, like: Tensor, matmul_rows: Callable[[int, int], Tensor],
-                      group_name: str, world_size: int) -> tuple[Tensor, list[Tensor]]:
+def _produce_and_push(
+    num_tokens: int,
+    width: int,
+    like: Tensor,
+    matmul_rows: Callable[[int, int], Tensor],
+    group_name: str,
+    world_size: int,
+) -> tuple[Tensor, list[Tensor]]:
     """(this rank's own partial rows, the partial rows every peer pushed here), all (ceil(N/TP), width);
     matmul_rows(lo, hi) computes rows [lo, hi) of the full partial product. The caller's stream has
     waited for every push."""
@@ -201,16 +232,21 @@ def _sum(own: Tensor, received: list[Tensor]) -> Tensor:
 
 
 def mm_rs(a, weight, group_name, world_size):
-    own, received = _produce_and_push(a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size)
+    own, received = _produce_and_push(
+        a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size
+    )
     return _sum(own, received)
 
 
 def mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size):
     """mm_rs whose last reduction step is the residual add + RMSNorm kernel's second summand."""
-    own, received = _produce_and_push(a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size)
+    own, received = _produce_and_push(
+        a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size
+    )
     own = _sum(own, received[:-1])
-    return rms_norm.add_rms_norm(own, residual, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32,
-                                 s2=received[-1] if received else None)
+    return rms_norm.add_rms_norm(
+        own, residual, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32, s2=received[-1] if received else None
+    )
 
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
@@ -225,8 +261,20 @@ def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     return _sum(*_produce_and_push(a.shape[0], weight.shape[0], like, matmul_rows, group_name, world_size))
 
 
-CE_OVERLAP = register(Strategy("ce_overlap", ag_mm=ag_mm, mm_rs=mm_rs, mm_rs_rms_norm=mm_rs_rms_norm, ag_scaled_mm=ag_scaled_mm,
-                              scaled_mm_rs=scaled_mm_rs, available=_available, cudagraph_trees_safe=False))
+CE_OVERLAP = register(
+    Strategy(
+        "ce_overlap",
+        ag_mm=ag_mm,
+        mm_rs=mm_rs,
+        mm_rs_rms_norm=mm_rs_rms_norm,
+        ag_scaled_mm=ag_scaled_mm,
+        scaled_mm_rs=scaled_mm_rs,
+        available=_available,
+        cudagraph_trees_safe=False,
+    )
+)
 # The same pipeline with the peers' GEMMs on a second compute stream (all-gather side only: for mm_rs a
 # concurrent own-rows GEMM would only delay the push).
-CE_OVERLAP_2S = register(Strategy("ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False))
+CE_OVERLAP_2S = register(
+    Strategy("ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False)
+)

@@ -1,5 +1,6 @@
 """Sequential: the collective, then the matmul(s); all-reduce through the process group's backend
 (NCCL on GPUs). Runs everywhere (CPU/gloo included): the reference."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,19 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.tpweave.reduce_scatter_tokens(a @ weight, 1, group_name, world_size)
 
 
-def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, *,
-                 need_gathered=True):
+def ag_scaled_mm(
+    x_local,
+    x_scale_local,
+    weights,
+    w_scales,
+    biases,
+    token_sizes,
+    group_name,
+    world_size,
+    out_dtype,
+    *,
+    need_gathered=True,
+):
     gather = torch.ops.tpweave.all_gather_tokens
     a, a_scale = (gather(t, token_sizes, group_name, world_size) for t in (x_local, x_scale_local))
     a2, s2 = a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, 1)
@@ -38,5 +50,13 @@ def all_reduce(x, group_name, world_size):
     return funcol_all_reduce(x, group_name)
 
 
-SEQUENTIAL = register(Strategy("sequential", ag_mm=ag_mm, mm_rs=mm_rs, all_reduce=all_reduce, ag_scaled_mm=ag_scaled_mm,
-                               scaled_mm_rs=scaled_mm_rs))
+SEQUENTIAL = register(
+    Strategy(
+        "sequential",
+        ag_mm=ag_mm,
+        mm_rs=mm_rs,
+        all_reduce=all_reduce,
+        ag_scaled_mm=ag_scaled_mm,
+        scaled_mm_rs=scaled_mm_rs,
+    )
+)

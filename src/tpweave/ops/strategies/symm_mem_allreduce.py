@@ -3,6 +3,7 @@
 CUDA only, bf16/fp32, no multicast. The input is staged into a symmetric buffer first; one-shot
 reads every peer's whole buffer (latency-bound sizes), two-shot reduces 1/TP per rank and gathers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,11 @@ from tpweave.ops.overlap import Strategy, register
 
 
 def _available(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and symm_buffers.has_symm_mem_ops("one_shot_all_reduce", "two_shot_all_reduce_out")
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and symm_buffers.has_symm_mem_ops("one_shot_all_reduce", "two_shot_all_reduce_out")
+    )
 
 
 def one_shot(x, group_name, world_size):
@@ -26,5 +31,9 @@ def two_shot(x, group_name, world_size):
     return torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, torch.empty_like(staged))
 
 
-ONE_SHOT = register(Strategy("symm_mem_one_shot", all_reduce=one_shot, available=_available, cudagraph_trees_safe=False))
-TWO_SHOT = register(Strategy("symm_mem_two_shot", all_reduce=two_shot, available=_available, cudagraph_trees_safe=False))
+ONE_SHOT = register(
+    Strategy("symm_mem_one_shot", all_reduce=one_shot, available=_available, cudagraph_trees_safe=False)
+)
+TWO_SHOT = register(
+    Strategy("symm_mem_two_shot", all_reduce=two_shot, available=_available, cudagraph_trees_safe=False)
+)

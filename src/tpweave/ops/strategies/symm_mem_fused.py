@@ -3,6 +3,7 @@
 CUDA only. Shards are padded to ceil(N/TP) rows, so every rank's chunk has the same size, as the
 fused ops require; padding rows are dropped from the outputs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,7 @@ from tpweave.ops.strategies import sequential
 FP8_ROW_ALIGN = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _enable(group_name: str) -> None:
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -34,7 +35,9 @@ def _available(x: torch.Tensor) -> bool:
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
     _enable(group_name)
     num_tokens = math.prod(token_sizes)
-    a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(x_local.contiguous(), list(weights), 0, group_name, return_A=need_gathered)
+    a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+        x_local.contiguous(), list(weights), 0, group_name, return_A=need_gathered
+    )
     outs = [o[:num_tokens] if b is None else o[:num_tokens] + b for o, b in zip(outs, biases)]
     gathered = a_full[:num_tokens] if need_gathered else x_local.new_empty(num_tokens, x_local.shape[-1])
     return [gathered.reshape(*token_sizes, x_local.shape[-1]), *outs]
@@ -48,18 +51,39 @@ def mm_rs(a, weight, group_name, world_size):
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, weight, "sum", 0, group_name)
 
 
-def ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype, *,
-                 need_gathered=True):
+def ag_scaled_mm(
+    x_local,
+    x_scale_local,
+    weights,
+    w_scales,
+    biases,
+    token_sizes,
+    group_name,
+    world_size,
+    out_dtype,
+    *,
+    need_gathered=True,
+):
     """torch's fused_all_gather_scaled_matmul: FP8 rows and their row-wise scales gathered while the
     scaled matmuls of the chunks that arrived run. Not yet measured on a GPU: policies choose it
     only where a calibration table does."""
     if x_local.shape[0] % FP8_ROW_ALIGN:
-        return sequential.ag_scaled_mm(x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype)
+        return sequential.ag_scaled_mm(
+            x_local, x_scale_local, weights, w_scales, biases, token_sizes, group_name, world_size, out_dtype
+        )
     _enable(group_name)
     num_tokens = math.prod(token_sizes)
     a_full, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
-        x_local.contiguous(), [w.t() for w in weights], x_scale_local.contiguous(), [s.reshape(1, -1).contiguous() for s in w_scales],
-        0, group_name, list(biases), [None] * len(weights), [out_dtype] * len(weights), [False] * len(weights),
+        x_local.contiguous(),
+        [w.t() for w in weights],
+        x_scale_local.contiguous(),
+        [s.reshape(1, -1).contiguous() for s in w_scales],
+        0,
+        group_name,
+        list(biases),
+        [None] * len(weights),
+        [out_dtype] * len(weights),
+        [False] * len(weights),
     )
     a_scale = torch.ops.tpweave.all_gather_tokens(x_scale_local, token_sizes, group_name, world_size)
     return [a_full[:num_tokens].reshape(*token_sizes, x_local.shape[-1]), a_scale, *[o[:num_tokens] for o in outs]]
@@ -73,10 +97,30 @@ def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     if pad:
         a, a_scale = F.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(a.dtype), F.pad(a_scale, (0, 0, 0, pad), value=1.0)
     return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-        a, weight.t(), a_scale.contiguous(), w_scale.reshape(1, -1).contiguous(), "sum", 0, 0, group_name, [a.shape[0], weight.shape[0]],
-        None, None, out_dtype, False,
+        a,
+        weight.t(),
+        a_scale.contiguous(),
+        w_scale.reshape(1, -1).contiguous(),
+        "sum",
+        0,
+        0,
+        group_name,
+        [a.shape[0], weight.shape[0]],
+        None,
+        None,
+        out_dtype,
+        False,
     )
 
 
-SYMM_MEM_FUSED = register(Strategy("symm_mem_fused", ag_mm=ag_mm, mm_rs=mm_rs, ag_scaled_mm=ag_scaled_mm, scaled_mm_rs=scaled_mm_rs,
-                                           available=_available, cudagraph_trees_safe=False))
+SYMM_MEM_FUSED = register(
+    Strategy(
+        "symm_mem_fused",
+        ag_mm=ag_mm,
+        mm_rs=mm_rs,
+        ag_scaled_mm=ag_scaled_mm,
+        scaled_mm_rs=scaled_mm_rs,
+        available=_available,
+        cudagraph_trees_safe=False,
+    )
+)
