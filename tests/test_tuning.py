@@ -10,8 +10,8 @@ import tpweave
 import workers
 from tpweave.cli import main as cli_main
 from tpweave.models import get_preset
-from tpweave.ops.overlap import parse_policy, pick
-from tpweave.tuning.calibrate import NEVER, policy_from_op_rows, sp_min_from_layer_rows
+from tpweave.ops.strategies import STRATEGIES, check_policy, parse_policy, resolve, sequential
+from tpweave.tuning.policy_fit import NEVER, policy_from_op_rows, sp_min_from_layer_rows
 from tpweave.tuning.table import StrategyTable, load_table, save_table, site_shapes, table_key, table_path
 
 
@@ -19,10 +19,28 @@ def test_policy_strings():
     assert parse_policy("sequential") == ((0, "sequential"),)
     assert parse_policy("symm_mem_fused@512, sequential@0") == ((0, "sequential"), (512, "symm_mem_fused"))
     x = torch.empty(0)
-    assert pick("sequential@0,symm_mem_fused@512", 100, x, "ag_mm").name == "sequential"
+    assert resolve("sequential@0,symm_mem_fused@512", 100, x, "ag_mm") is sequential.ag_mm
     # symm_mem_fused needs CUDA: on CPU the op falls back to the sequential strategy
-    assert pick("sequential@0,symm_mem_fused@512", 4096, x, "ag_mm").name == "sequential"
-    assert pick("no_such_strategy@0", 4, x, "mm_rs").name == "sequential"
+    assert resolve("sequential@0,symm_mem_fused@512", 4096, x, "ag_mm") is sequential.ag_mm
+    assert resolve("no_such_strategy@0", 4, x, "mm_rs") is sequential.mm_rs
+    for bad in ("", "sequential@zero", "a@1,b@1", "@4", "sequential@-1"):
+        with pytest.raises(ValueError, match="policy"):
+            parse_policy(bad)
+    with pytest.raises(ValueError, match="unknown strategy 'no_such_strategy'"):
+        check_policy("sequential@0,no_such_strategy@64")
+
+
+def test_one_resolve_rule_composes_the_fused_norm_kinds():
+    """A strategy without a fused norm implementation serves it as its base op + the add + norm kernel;
+    one that serves neither (or cannot run here) falls back to sequential's composition."""
+    x = torch.empty(0)
+    composed = resolve("symm_mem_one_shot", 4, x, "all_reduce_rms_norm")  # not available on CPU
+    assert composed.func.__name__ == "compose_all_reduce_rms_norm" and composed.args == (sequential.all_reduce,)
+    assert STRATEGIES["sequential"].implementation("mm_rs_rms_norm").args == (sequential.mm_rs,)
+    assert STRATEGIES["triton_ar_norm"].serves("all_reduce_rms_norm")
+    assert not STRATEGIES["triton_ar_norm"].serves("all_reduce") and not STRATEGIES["ce_overlap_2s"].serves("mm_rs")
+    with pytest.raises(ValueError, match="unknown op kind"):
+        STRATEGIES["sequential"].implementation("all_gather")
 
 
 def test_policy_and_boundary_from_measurements():
@@ -170,7 +188,7 @@ def test_cli_rejects_bad_arguments(capsys):
 def test_strategies_with_symmetric_state_are_kept_out_of_inductor_cudagraphs():
     """On 2x H200, torch's fused ops inside Inductor's CUDA graph trees failed ('tensors in the
     cudagraph pool not tracked'): with cudagraphs=True such strategies become 'sequential'."""
-    from tpweave.compiler.backend import PassOptions
+    from tpweave.compiler import PassOptions
 
     table_policies = (("all_reduce:8x8", "symm_mem_one_shot@0,sequential@512"),)
     trees = PassOptions(

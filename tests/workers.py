@@ -266,7 +266,7 @@ def gpu_piecewise(ctx, preset, token_counts, num_layers=2):
 @torch.no_grad()
 def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
     """ag_mm and mm_rs under every registered strategy, against the sequential one."""
-    from tpweave.ops.overlap import STRATEGIES
+    from tpweave.ops.strategies import STRATEGIES
 
     dtype = DTYPES[dtype_name]
     out = {}
@@ -450,7 +450,7 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
     rank's input + the reference add + norm (each rank draws every rank's input from seeds); then each
     triton kernel captured in a CUDA graph and replayed on new data, interleaved with eager calls."""
     from tpweave.ops import rms_norm
-    from tpweave.ops.overlap import STRATEGIES
+    from tpweave.ops.strategies import STRATEGIES
 
     if names is None:
         names = [
@@ -569,7 +569,7 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
     {"ops": [...], (M, "eager", step) | (M, "graph"): {output: worst error relative to the reference's
     largest value}}."""
     from tpweave.ops import fp8
-    from tpweave.ops.overlap import STRATEGIES
+    from tpweave.ops.strategies import STRATEGIES
 
     strategy, tp, rank, dev = STRATEGIES[name], ctx.world_size, ctx.rank, ctx.device
     ops = [

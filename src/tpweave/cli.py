@@ -89,7 +89,7 @@ def _tokens(text: str) -> list[int]:
 
 
 def _calibrate_worker(ctx, model, dtype_name, grid, settings, num_layers):
-    from tpweave.tuning.calibrate import calibrate
+    from tpweave.bench.calibrate import calibrate
     from tpweave.tuning.table import save_table
 
     table = calibrate(ctx, model, dtype_name=dtype_name, grid=grid, settings=settings, num_layers=num_layers)

@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
+from tpweave import compiler
 from tpweave.bench.kernels import check, expected_categories, profile_kernels
 from tpweave.bench.layer import BenchSettings, _progress, hidden_fraction
 from tpweave.bench.timing import allow_many_compiles, time_arms
-from tpweave.compiler.backend import BASELINE
+from tpweave.compiler import PLAIN_TP
 from tpweave.models import build_model, resolve_config
 from tpweave.models.config import DTYPES
 from tpweave.models.llama import LlamaForCausalLM
-from tpweave.ops.overlap import STRATEGIES
+from tpweave.ops.strategies import STRATEGIES
 from tpweave.runtime.context import TPContext
 
 ARMS = ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")
@@ -41,8 +42,6 @@ def no_comm_twin(model: LlamaForCausalLM, ctx: TPContext) -> LlamaForCausalLM:
 
 
 def build_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int | None, table, arms=ARMS):
-    import tpweave
-
     overrides = {"num_layers": num_layers} if num_layers else {}
     cfg = resolve_config(model, **overrides)
     tp_model = build_model(cfg, tp=ctx, dtype=dtype)
@@ -53,13 +52,13 @@ def build_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: in
     if on_cuda and fused != "symm_mem_fused":
         raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     make = {
-        "baseline": lambda: tpweave.compile(tp_model, **BASELINE),
-        "sp_seq": lambda: tpweave.compile(tp_model, sp=True, sp_min_tokens=0, async_tp=False, table=None),
-        "sp_fused": lambda: tpweave.compile(
+        "baseline": lambda: compiler.compile(tp_model, options=PLAIN_TP),
+        "sp_seq": lambda: compiler.compile(tp_model, sp=True, sp_min_tokens=0, async_tp=False, table=None),
+        "sp_fused": lambda: compiler.compile(
             tp_model, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None
         ),
-        "auto": lambda: tpweave.compile(tp_model, table=table),
-        "compute_only": lambda: tpweave.compile(no_comm_twin(tp_model, ctx), sp=False, table=None),
+        "auto": lambda: compiler.compile(tp_model, table=table),
+        "compute_only": lambda: compiler.compile(no_comm_twin(tp_model, ctx), sp=False, table=None),
     }
     return cfg, tp_model, {name: make[name]() for name in arms}
 

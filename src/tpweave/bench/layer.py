@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpweave import compiler
 from tpweave.bench.timing import time_arms
-from tpweave.compiler.backend import BASELINE
+from tpweave.compiler import PLAIN_TP
 from tpweave.models import build_model
 from tpweave.models.config import DTYPES, get_preset
-from tpweave.ops.overlap import STRATEGIES
+from tpweave.ops.strategies import STRATEGIES
 from tpweave.runtime.context import TPContext
 from tpweave.tuning.table import SiteShape, StrategyTable, site_shapes
 
@@ -51,8 +52,6 @@ class BenchSettings:
 
 
 def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int, table: StrategyTable | None):
-    import tpweave
-
     cfg = get_preset(model, num_layers=num_layers)
     tp_model = build_model(cfg, tp=ctx, dtype=dtype)
     no_comm = TPContext(rank=ctx.rank, world_size=ctx.world_size, group_name=None, device=ctx.device)
@@ -64,11 +63,11 @@ def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layer
     if ctx.device.type == "cuda" and fused != "symm_mem_fused":
         raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
     variants = {
-        "baseline": tpweave.compile(stack, **BASELINE),
-        "sp_seq": tpweave.compile(stack, sp=True, sp_min_tokens=0, async_tp=False),
-        "sp_fused": tpweave.compile(stack, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused),
-        "auto": tpweave.compile(stack, sp=True, table=table),
-        "compute_only": tpweave.compile(compute_stack, sp=False),
+        "baseline": compiler.compile(stack, options=PLAIN_TP),
+        "sp_seq": compiler.compile(stack, sp=True, sp_min_tokens=0, async_tp=False),
+        "sp_fused": compiler.compile(stack, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused),
+        "auto": compiler.compile(stack, sp=True, table=table),
+        "compute_only": compiler.compile(compute_stack, sp=False),
     }
     return cfg, variants
 
@@ -132,7 +131,7 @@ def bench_ops(
     probe = torch.empty(0, device=ctx.device, dtype=dtype)
     rows = []
     for site in _progress(sites, ctx, "ops"):
-        names = [n for n, s in STRATEGIES.items() if _serves(s, site.kind) and s.available(probe)]
+        names = [n for n, s in STRATEGIES.items() if s.serves(site.kind) and s.available(probe)]
         w = (torch.randn(site.n, site.k, device=ctx.device, dtype=dtype) * site.k**-0.5).t()
         for m in tokens:
             rows_local = -(-m // ctx.world_size)
@@ -191,14 +190,6 @@ def bench_ops(
                     }
                 )
     return rows
-
-
-def _serves(strategy, kind: str) -> bool:
-    """Whether a strategy can run a site of this kind (an all-reduce strategy serves the composed
-    all-reduce + add + norm)."""
-    if kind == "all_reduce_rms_norm":
-        return strategy.all_reduce_rms_norm is not None or strategy.all_reduce is not None
-    return getattr(strategy, kind) is not None
 
 
 def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_KN: torch.Tensor, dtype: torch.dtype):

@@ -208,10 +208,7 @@ def warm_up(engine) -> None:
 def release_engine(engine) -> None:
     """Free an engine's KV cache, CUDA graphs and compiled code before the next arm builds its own
     (the caller must drop its reference too)."""
-    runner = engine.runner
-    runner.graphs.clear()
-    getattr(runner, "_static_out", {}).clear()
-    runner.model.set_kv_cache(None)
+    engine.release()
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():

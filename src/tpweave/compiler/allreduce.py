@@ -11,11 +11,11 @@ import torch.fx as fx
 
 from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, funcol, tpw, val
 from tpweave.compiler.report import GraphReport
-from tpweave.compiler.sequence_parallel import SPConfig
+from tpweave.compiler.tp_group import TPGroup
 
 
 def route_all_reduces(
-    graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+    graph: fx.Graph, cfg: TPGroup, *, policy_for: Callable[[str, int, int], str], report: GraphReport
 ) -> None:
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):

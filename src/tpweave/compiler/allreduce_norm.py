@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, is_tensor_node, tpw, val
 from tpweave.compiler.report import GraphReport
-from tpweave.compiler.sequence_parallel import SPConfig
-from tpweave.ops.overlap import STRATEGIES, parse_policy
+from tpweave.compiler.tp_group import TPGroup
+from tpweave.ops.strategies import has_own
 
 CONVERT = torch.ops.prims.convert_element_type.default
 KIND = "all_reduce_rms_norm"
@@ -63,58 +63,66 @@ def _is_weight(w, hidden: int) -> bool:
 
 
 def match_rms_norm(h: fx.Node) -> RMSNormMatch:
-    """The RMSNorm applied to h (shape (..., H)), or NoMatch saying what differs."""
+    """The RMSNorm applied to h (shape (..., H)), or NoMatch saying what differs (module doc: the forms)."""
     hv = val(h)
-    hidden = hv.shape[-1]
-    if not isinstance(hidden, int):
+    if not isinstance(hv.shape[-1], int):
         raise NoMatch("hidden size is not static")
-    last = {-1, hv.dim() - 1}
-    ups = [h] if hv.dtype == torch.float32 else [u for u in _calls(h, CONVERT) if val(u).dtype == torch.float32]
     why = NoMatch("no RMSNorm reads it")
-    for h32 in ups:
-        squares = [u for u in _calls(h32, aten.pow.Tensor_Scalar) if u.args[1] == 2]
-        squares += [u for u in _calls(h32, aten.mul.Tensor) if u.args[0] is h32 and u.args[1] is h32]
-        for sq in squares:
-            try:
-                mean = _only_user(sq, aten.mean.dim)
-                if (
-                    set(mean.args[1]) - last
-                    or len(mean.args[1]) != 1
-                    or not (mean.args[2:3] and mean.args[2] or mean.kwargs.get("keepdim"))
-                ):
-                    raise NoMatch("mean is not over the last dim with keepdim")
-                add = _only_user(mean, aten.add.Tensor, aten.add.Scalar)
-                eps = _other(add, mean)
-                if not isinstance(eps, (int, float)):
-                    raise NoMatch("eps is not a constant")
-                rsqrt = _only_user(add, aten.rsqrt.default)
-                n32 = _only_user(rsqrt, aten.mul.Tensor)
-                if _other(n32, rsqrt) is not h32:
-                    raise NoMatch("rsqrt does not scale the same input")
-                chain = [h32, sq, mean, add, rsqrt, n32] if h32 is not h else [sq, mean, add, rsqrt, n32]
-                nxt = _only_user(n32, CONVERT, aten.mul.Tensor)
-                if nxt.target is CONVERT and val(nxt).dtype == hv.dtype:  # weight * dtype(n32)
-                    y = _only_user(nxt, aten.mul.Tensor)
-                    weight, in_fp32 = _other(y, nxt), False
-                    chain += [nxt]
-                else:  # dtype(n32 * weight)
-                    weight, in_fp32 = _other(nxt, n32), True
-                    y = nxt
-                    if hv.dtype != torch.float32:
-                        y = _only_user(nxt, CONVERT)
-                        if val(y).dtype != hv.dtype:
-                            raise NoMatch("the normalized value is cast to another dtype")
-                        chain += [nxt]
-                if not _is_weight(weight, hidden):
-                    raise NoMatch(f"the scale is not a ({hidden},) tensor")
-                if any(len(n.users) != 1 for n in chain[1:] if n is not h32):
-                    raise NoMatch("an intermediate of the norm is used elsewhere")
-                if h32 is not h and set(h32.users) - {sq, n32}:
-                    raise NoMatch("the upcast input is used elsewhere")
-                return RMSNormMatch(y, weight, float(eps), in_fp32, tuple(chain))
-            except NoMatch as e:
-                why = e
+    for h32, square in _squares_of(h):
+        try:
+            return _norm_from_square(h, h32, square)
+        except NoMatch as e:
+            why = e
     raise why
+
+
+def _squares_of(h: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(h32, h32^2) pairs: h32 = h, or its fp32 upcast; the square as pow(h32, 2) or h32 * h32."""
+    ups = [h] if val(h).dtype == torch.float32 else [u for u in _calls(h, CONVERT) if val(u).dtype == torch.float32]
+    pairs = []
+    for h32 in ups:
+        pairs += [(h32, u) for u in _calls(h32, aten.pow.Tensor_Scalar) if u.args[1] == 2]
+        pairs += [(h32, u) for u in _calls(h32, aten.mul.Tensor) if u.args[0] is h32 and u.args[1] is h32]
+    return pairs
+
+
+def _norm_from_square(h: fx.Node, h32: fx.Node, square: fx.Node) -> RMSNormMatch:
+    """Follow square -> mean -> + eps -> rsqrt -> * h32 -> weight (one user each), or NoMatch."""
+    hv = val(h)
+    mean = _only_user(square, aten.mean.dim)
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if len(mean.args[1]) != 1 or mean.args[1][0] not in (-1, hv.dim() - 1) or not keepdim:
+        raise NoMatch("mean is not over the last dim with keepdim")
+    add = _only_user(mean, aten.add.Tensor, aten.add.Scalar)
+    eps = _other(add, mean)
+    if not isinstance(eps, (int, float)):
+        raise NoMatch("eps is not a constant")
+    rsqrt = _only_user(add, aten.rsqrt.default)
+    n32 = _only_user(rsqrt, aten.mul.Tensor)
+    if _other(n32, rsqrt) is not h32:
+        raise NoMatch("rsqrt does not scale the same input")
+    if h32 is not h and set(h32.users) - {square, n32}:
+        raise NoMatch("the upcast input is used elsewhere")
+    y, weight, weight_in_fp32, tail = _scaled(n32, hv.dtype)
+    if not _is_weight(weight, hv.shape[-1]):
+        raise NoMatch(f"the scale is not a ({hv.shape[-1]},) tensor")
+    head = [h32] if h32 is not h else []
+    return RMSNormMatch(y, weight, float(eps), weight_in_fp32, (*head, square, mean, add, rsqrt, n32, *tail))
+
+
+def _scaled(n32: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, fx.Node, bool, list[fx.Node]]:
+    """(y, weight, weight_in_fp32, nodes between n32 and y) for y = weight * dtype(n32) (Llama/HF) or
+    y = dtype(n32 * weight) (Gemma-style, F.rms_norm)."""
+    nxt = _only_user(n32, CONVERT, aten.mul.Tensor)
+    if nxt.target is CONVERT and val(nxt).dtype == dtype:
+        y = _only_user(nxt, aten.mul.Tensor)
+        return y, _other(y, nxt), False, [nxt]
+    if dtype == torch.float32:
+        return nxt, _other(nxt, n32), True, []
+    y = _only_user(nxt, CONVERT)
+    if val(y).dtype != dtype:
+        raise NoMatch("the normalized value is cast to another dtype")
+    return y, _other(nxt, n32), True, [nxt]
 
 
 def match_residual_norm(src: fx.Node, graph: fx.Graph) -> tuple[fx.Node, fx.Node | None, RMSNormMatch]:
@@ -157,7 +165,7 @@ def _describe(residual, norm: RMSNormMatch, policy: str) -> str:
 
 
 def fuse_all_reduce_norms(
-    graph: fx.Graph, cfg: SPConfig, *, policy_for: Callable[[str, int, int], str], report: GraphReport
+    graph: fx.Graph, cfg: TPGroup, *, policy_for: Callable[[str, int, int], str], report: GraphReport
 ) -> None:
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
@@ -184,7 +192,7 @@ def fuse_reduce_scatter_norms(graph: fx.Graph, *, report: GraphReport) -> None:
     edit = GraphEditor(graph)
     for mm_rs in [n for n in graph.nodes if n.target is tpw.mm_rs.default]:
         a, w, group_name, world_size, policy = mm_rs.args
-        if not any(getattr(STRATEGIES.get(name), "mm_rs_rms_norm", None) for _, name in parse_policy(policy)):
+        if not has_own(policy, "mm_rs_rms_norm"):
             continue  # no strategy of this site has a fused epilogue: Inductor's own add + norm
         try:
             h, residual, norm = match_residual_norm(mm_rs, graph)

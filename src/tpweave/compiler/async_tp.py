@@ -1,10 +1,18 @@
 """Async-TP pass: all_gather_tokens -> matmul(s) and matmul -> reduce_scatter_tokens become one
-tpweave overlapped op each (`tpweave::ag_mm`, `tpweave::mm_rs`), whose strategy is picked per M at run time."""
+strategy-dispatched op each (`tpweave::ag_mm` / `ag_scaled_mm`, `tpweave::mm_rs` / `scaled_mm_rs`),
+whose strategy is picked per M at run time (ops/dispatched_ops.py).
+
+Matching follows torch's micro_pipeline_tp: one small dataclass per matched pattern (`_Matmul`,
+`_GatherMatch`, `_ReduceScatterMatch`), found first, then rewritten. bf16 and FP8 go through the same
+path: an FP8 matmul is `tpweave::scaled_mm` whose rows and row scales come from two gathers of the
+same tokens, fused together.
+"""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.fx as fx
 
@@ -12,19 +20,98 @@ from tpweave.compiler.graph_utils import VIEW_OPS, GraphEditor, aten, same_sizes
 from tpweave.compiler.report import GraphReport
 
 _WEIGHT_VIEWS = (aten.permute.default, aten.t.default, *VIEW_OPS)
+PolicyFor = Callable[[str, int, int], str]  # (kind, K, N) -> policy string
 
 
-def _matmul_users(ag: fx.Node) -> list[tuple[fx.Node, fx.Node, fx.Node | None, fx.Node | None]]:
-    """(matmul node, weight, bias, 2-D view of ag it reads or None) for every matmul fed by the gather."""
+@dataclass
+class _Matmul:
+    """One matmul that reads a gathered activation A (as (N, K)):
+    mm(A, W) with W (K, N_i); addmm(b, A, W); or FP8 scaled_mm(A, W, A_scale, w_scale, b, dtype), W (N_i, K)."""
+
+    node: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    view: fx.Node | None  # the 2-D view of a (B, S, K) gather that the matmul reads, else None
+    w_scale: fx.Node | None = None  # FP8 only
+    scale_gather: fx.Node | None = None  # FP8 only: the gather of A's row scales
+
+    @property
+    def width(self) -> int:
+        """N_i, the matmul's output columns."""
+        return int(val(self.weight).shape[0 if self.scale_gather is not None else 1])
+
+    @property
+    def operands(self) -> list[fx.Node]:
+        """The inputs besides A that the fused op needs before its first matmul."""
+        return [a for a in (self.weight, self.bias, self.w_scale) if isinstance(a, fx.Node)]
+
+
+@dataclass
+class _GatherMatch:
+    """Gathers of one tensor's token shards and the matmuls that read them (all of them together):
+    gathers = (ag,) for bf16/fp32, (ag_rows, ag_row_scales) for FP8."""
+
+    gathers: tuple[fx.Node, ...]
+    matmuls: list[_Matmul]
+
+    @property
+    def fp8(self) -> bool:
+        return len(self.gathers) == 2
+
+    @property
+    def kind(self) -> str:
+        return "ag_scaled_mm" if self.fp8 else "ag_mm"
+
+    def fused_args(self, policy: str) -> tuple:
+        """Arguments of tpweave::ag_mm / ag_scaled_mm, need_gathered=True until the rewrite knows better."""
+        ms = self.matmuls
+        _, token_sizes, group_name, world_size = self.gathers[0].args
+        locals_ = tuple(g.args[0] for g in self.gathers)
+        if not self.fp8:
+            return (
+                *locals_,
+                [m.weight for m in ms],
+                [m.bias for m in ms],
+                token_sizes,
+                group_name,
+                world_size,
+                policy,
+                True,
+            )
+        weights, scales, biases = [m.weight for m in ms], [m.w_scale for m in ms], [m.bias for m in ms]
+        out_dtype = ms[0].node.args[5]
+        return (*locals_, weights, scales, biases, token_sizes, group_name, world_size, out_dtype, policy, True)
+
+
+@dataclass
+class _ReduceScatterMatch:
+    """reduce_scatter_tokens(mm(a, w)) (optionally through one view), or FP8
+    reduce_scatter_tokens(scaled_mm(a, w, a_scale, w_scale, None, dtype))."""
+
+    reduce_scatter: fx.Node
+    matmul: fx.Node
+    view: fx.Node | None
+
+    @property
+    def fp8(self) -> bool:
+        return self.matmul.target is tpw.scaled_mm.default
+
+
+def _matmuls_of(ag: fx.Node) -> list[_Matmul]:
+    """Every matmul that reads the gathered tensor, directly or through a 2-D view (a (B, S, K) gather)."""
     found = []
     k = val(ag).shape[-1]
 
     def scan(a_node: fx.Node, view: fx.Node | None) -> None:
         for u in a_node.users:
             if u.target is aten.mm.default and u.args[0] is a_node:
-                found.append((u, u.args[1], None, view))
+                found.append(_Matmul(u, u.args[1], None, view))
             elif u.target is aten.addmm.default and u.args[1] is a_node and not u.kwargs:
-                found.append((u, u.args[2], u.args[0], view))
+                found.append(_Matmul(u, u.args[2], u.args[0], view))
+            elif u.target is tpw.scaled_mm.default and u.args[0] is a_node and view is None:
+                scale = u.args[2]
+                if isinstance(scale, fx.Node) and scale.target is ag.target and scale.args[1:] == ag.args[1:]:
+                    found.append(_Matmul(u, u.args[1], u.args[4], None, w_scale=u.args[3], scale_gather=scale))
 
     if val(ag).dim() == 2:
         scan(ag, None)
@@ -34,16 +121,16 @@ def _matmul_users(ag: fx.Node) -> list[tuple[fx.Node, fx.Node, fx.Node | None, f
     return found
 
 
-def _hoist(weight: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """Make `weight` (a view chain of a graph input) available before `before`; False if it cannot be."""
-    if order[weight] < order[before]:
+def _hoist(node: fx.Node, before: fx.Node, order: dict[fx.Node, float]) -> bool:
+    """Make `node` (a view chain of a graph input) available before `before`; False if it cannot be."""
+    if order[node] < order[before]:
         return True
-    if weight.target not in _WEIGHT_VIEWS or len(weight.all_input_nodes) != 1:
+    if node.target not in _WEIGHT_VIEWS or len(node.all_input_nodes) != 1:
         return False
-    if not _hoist(weight.all_input_nodes[0], before, order):
+    if not _hoist(node.all_input_nodes[0], before, order):
         return False
-    before.prepend(weight)
-    order[weight] = order[before] - 0.5
+    before.prepend(node)
+    order[node] = order[before] - 0.5
     return True
 
 
@@ -70,151 +157,130 @@ def _sink(nodes: list[fx.Node], *, after: fx.Node, erased: set[fx.Node]) -> None
             after = n
 
 
-def fuse_all_gather_matmuls(
-    graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport
-) -> None:
-    edit = GraphEditor(graph)
-    for ag in [n for n in graph.nodes if n.target is tpw.all_gather_tokens.default]:
-        x_local, token_sizes, group_name, world_size = ag.args
-        if val(x_local).dim() != 2:
+def _gather_matches(graph: fx.Graph, report: GraphReport) -> list[_GatherMatch]:
+    """One match per gathered tensor (FP8: per pair of rows and row-scales gathers) with a matmul reader;
+    every other gather is reported as left alone."""
+    matches: dict[tuple[fx.Node, ...], list[_Matmul]] = {}
+    gathers = [n for n in graph.nodes if n.target is tpw.all_gather_tokens.default]
+    for ag in gathers:
+        if val(ag.args[0]).dim() != 2:
             report.add("all_gather", ag, "left alone", "shard is not (rows, K)")
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        users = sorted(_matmul_users(ag), key=lambda u: order[u[0]])
-        if not users:
+        for mm in _matmuls_of(ag):
+            key = (ag,) if mm.scale_gather is None else (ag, mm.scale_gather)
+            matches.setdefault(key, []).append(mm)
+    in_a_match = {g for key in matches for g in key}
+    for ag in gathers:
+        if ag not in in_a_match and val(ag.args[0]).dim() == 2:
             report.add("all_gather", ag, "left alone", "no matmul consumer: " + ", ".join(u.name for u in ag.users))
+    mixed = {g for key in matches for g in key if sum(g in other for other in matches) > 1}
+    for key in [key for key in matches if set(key) & mixed]:
+        report.add("all_gather", key[0], "left alone", "read by matmuls of different kinds (bf16 and FP8)")
+        del matches[key]
+    return [_GatherMatch(key, mms) for key, mms in matches.items()]
+
+
+def fuse_all_gather_matmuls(graph: fx.Graph, *, policy_for: PolicyFor, report: GraphReport) -> None:
+    """all_gather_tokens -> matmul(s) becomes one tpweave::ag_mm (FP8: two gathers -> ag_scaled_mm),
+    placed before the first matmul; all matmuls of one gathered tensor share it (q/k/v, gate/up):
+
+        before:  a = all_gather_tokens(x_local, [M], group, TP)      after:  r = ag_mm(x_local, [w_q, w_k], [None, b_k],
+                 q = mm(a, w_q)                                                          [M], group, TP, policy, need)
+                 ...                                                          q = r[1]
+                 k = addmm(b_k, a, w_k)                                       k = r[2]
+                 y = other(a)                                                  y = other(r[0])   (moved after r)
+
+    Weights defined after the first matmul (views of graph inputs) are hoisted before it; a matmul whose
+    weight cannot be hoisted keeps the plain gather. Readers of the gather between the gather and the
+    fused op (a kept view) move after it. need_gathered=False when nothing but the matmuls reads A.
+    """
+    edit = GraphEditor(graph)
+    for match in _gather_matches(graph, report):
+        order = {n: float(i) for i, n in enumerate(graph.nodes)}
+        match.matmuls.sort(key=lambda m: order[m.node])
+        first = match.matmuls[0].node
+        match.matmuls = [m for m in match.matmuls if all(_hoist(a, first, order) for a in m.operands)]
+        if not match.matmuls:
+            report.add("all_gather", match.gathers[0], "left alone", "its matmuls' weights are defined after them")
             continue
-        first = users[0][0]
-        users = [u for u in users if _hoist(u[1], first, order) and (u[2] is None or _hoist(u[2], first, order))]
-        # One GEMM width for the site: the sum over the matmuls sharing this gather.
-        policy = policy_for("ag_mm", int(val(x_local).shape[-1]), sum(int(val(u[1]).shape[1]) for u in users))
-        args = (
-            x_local,
-            [u[1] for u in users],
-            [u[2] for u in users],
-            token_sizes,
-            group_name,
-            world_size,
-            policy,
-            True,
-        )
-        fused = edit.insert(tpw.ag_mm.default, args, before=first)
-        readers = _readers_between([ag], fused, order)
-        with graph.inserting_after(fused):
-            outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users) + 1)]
-        for i, o in enumerate(outs):
-            o.meta["val"] = val(fused)[i]
-        erased = set()
-        for i, (mm, _, _, view) in enumerate(users, start=1):
-            mm.replace_all_uses_with(outs[i])
-            graph.erase_node(mm)
-            if view is not None and not view.users:
-                graph.erase_node(view)
-                erased.add(view)
-        ag.replace_all_uses_with(outs[0])
-        graph.erase_node(ag)
-        _sink(readers, after=outs[0], erased=erased)
-        if not outs[0].users:
-            fused.update_arg(len(args) - 1, False)  # need_gathered: nothing reads A
-        for o in outs:
-            if not o.users:
-                graph.erase_node(o)
-        names = ", ".join(u[0].name for u in users)
+        first = match.matmuls[0].node
+        k = int(val(match.gathers[0]).shape[-1])
+        policy = policy_for(match.kind, k, sum(m.width for m in match.matmuls))
+        target = tpw.ag_scaled_mm.default if match.fp8 else tpw.ag_mm.default
+        fused = edit.insert(target, match.fused_args(policy), before=first)
+        _replace_gather_and_matmuls(graph, match, fused, order)
+        names = ", ".join(m.node.name for m in match.matmuls)
+        what = f"{len(match.matmuls)} {'FP8 ' if match.fp8 else ''}matmul(s) [{names}], policy {policy!r}"
         report.add(
-            "all_gather+matmul",
+            "all_gather+scaled_matmul" if match.fp8 else "all_gather+matmul",
             fused,
             "fused",
-            f"tpweave::ag_mm over {len(users)} matmul(s) [{names}], policy {policy!r}",
+            f"tpweave::{match.kind} over {what}",
         )
 
 
-def fuse_all_gather_scaled_matmuls(
-    graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport
-) -> None:
-    """FP8: gather(x_fp8) and gather(x_scale) feeding tpweave::scaled_mm(s) -> one tpweave::ag_scaled_mm."""
-    edit = GraphEditor(graph)
-    groups: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
-    for mm in [n for n in graph.nodes if n.target is tpw.scaled_mm.default]:
-        x, _, scale = mm.args[:3]
-        gathers = (x, scale)
-        if (
-            all(isinstance(g, fx.Node) and g.target is tpw.all_gather_tokens.default for g in gathers)
-            and x.args[1:] == scale.args[1:]
-        ):
-            groups.setdefault(gathers, []).append(mm)
-    for (ag_x, ag_s), mms in groups.items():
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        mms.sort(key=lambda n: order[n])
-        first = mms[0]
-        mms = [
-            mm for mm in mms if all(a is None or _hoist(a, first, order) for a in (mm.args[1], mm.args[3], mm.args[4]))
-        ]
-        if not mms or val(ag_x.args[0]).dim() != 2:
-            report.add("all_gather", ag_x, "left alone", "FP8 shard is not (rows, K) or its weights come later")
-            continue
-        _, token_sizes, group_name, world_size = ag_x.args
-        policy = policy_for("ag_scaled_mm", int(val(ag_x).shape[-1]), sum(int(val(mm.args[1]).shape[0]) for mm in mms))
-        args = (
-            ag_x.args[0],
-            ag_s.args[0],
-            [mm.args[1] for mm in mms],
-            [mm.args[3] for mm in mms],
-            [mm.args[4] for mm in mms],
-            token_sizes,
-            group_name,
-            world_size,
-            mms[0].args[5],
-            policy,
-            True,
-        )
-        fused = edit.insert(tpw.ag_scaled_mm.default, args, before=first)
-        readers = _readers_between([ag_x, ag_s], fused, order)
-        with graph.inserting_after(fused):
-            outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(mms) + 2)]
-        for i, o in enumerate(outs):
-            o.meta["val"] = val(fused)[i]
-        for i, mm in enumerate(mms, start=2):
-            mm.replace_all_uses_with(outs[i])
-            graph.erase_node(mm)
-        for g, o in ((ag_x, outs[0]), (ag_s, outs[1])):
-            g.replace_all_uses_with(o)
-            graph.erase_node(g)
-        _sink(readers, after=outs[0], erased=set())
-        if not outs[0].users and not outs[1].users:
-            fused.update_arg(len(args) - 1, False)  # need_gathered: nothing reads A or its scales
-        for o in outs:
-            if not o.users:
-                graph.erase_node(o)
-        names = ", ".join(mm.name for mm in mms)
-        report.add(
-            "all_gather+scaled_matmul",
-            fused,
-            "fused",
-            f"tpweave::ag_scaled_mm over {len(mms)} FP8 matmul(s) [{names}], policy {policy!r}",
-        )
+def _replace_gather_and_matmuls(graph: fx.Graph, match: _GatherMatch, fused: fx.Node, order: dict) -> None:
+    """Make the graph read `fused`'s outputs ([gathered..., matmul outputs...]) and drop what it replaced."""
+    num_gathered = len(match.gathers)
+    readers = _readers_between(list(match.gathers), fused, order)
+    with graph.inserting_after(fused):
+        outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(num_gathered + len(match.matmuls))]
+    for i, o in enumerate(outs):
+        o.meta["val"] = val(fused)[i]
+    erased = set()
+    for mm, out in zip(match.matmuls, outs[num_gathered:]):
+        mm.node.replace_all_uses_with(out)
+        graph.erase_node(mm.node)
+        if mm.view is not None and not mm.view.users and mm.view not in erased:
+            graph.erase_node(mm.view)
+            erased.add(mm.view)
+    for gather, out in zip(match.gathers, outs):
+        gather.replace_all_uses_with(out)
+        graph.erase_node(gather)
+    _sink(readers, after=outs[0], erased=erased)
+    if not any(o.users for o in outs[:num_gathered]):
+        fused.update_arg(len(fused.args) - 1, False)  # need_gathered: nothing reads A (or its scales)
+    for o in outs:
+        if not o.users:
+            graph.erase_node(o)
 
 
-def fuse_matmul_reduce_scatters(
-    graph: fx.Graph, *, policy_for: Callable[[str, int, int], str], report: GraphReport
-) -> None:
-    edit = GraphEditor(graph)
+def _reduce_scatter_matches(graph: fx.Graph, report: GraphReport) -> list[_ReduceScatterMatch]:
+    found = []
     for rs in [n for n in graph.nodes if n.target is tpw.reduce_scatter_tokens.default]:
-        x, _, group_name, world_size = rs.args
-        src, view = x, None
+        src, view = rs.args[0], None
         if src.target in VIEW_OPS and len(src.users) == 1:
             src, view = src.args[0], src
-        scaled = src.target is tpw.scaled_mm.default and src.args[4] is None  # FP8, no bias
-        if not (src.target is aten.mm.default or scaled) or len(src.users) != 1:
-            report.add("reduce_scatter", rs, "left alone", f"input {x.name} is not a matmul used only here")
+        fp8 = src.target is tpw.scaled_mm.default and src.args[4] is None  # FP8 without bias
+        if not (src.target is aten.mm.default or fp8) or len(src.users) != 1:
+            report.add("reduce_scatter", rs, "left alone", f"input {rs.args[0].name} is not a matmul used only here")
             continue
-        if scaled:
-            a, w, a_scale, w_scale, _, out_dtype = src.args
+        found.append(_ReduceScatterMatch(rs, src, view))
+    return found
+
+
+def fuse_matmul_reduce_scatters(graph: fx.Graph, *, policy_for: PolicyFor, report: GraphReport) -> None:
+    """matmul -> reduce_scatter_tokens becomes one tpweave::mm_rs (FP8: scaled_mm_rs):
+
+        before:  p = mm(a, w)                                  after:  s = mm_rs(a, w, group, TP, policy)
+                 s = reduce_scatter_tokens(p, 1, group, TP)
+
+        FP8:     p = scaled_mm(a, w, a_scale, w_scale, None, dt)        s = scaled_mm_rs(a, a_scale, w, w_scale,
+                 s = reduce_scatter_tokens(p, 1, group, TP)                                group, TP, dt, policy)
+
+    A view between the matmul and the scatter is absorbed when the fused op's rows match the scatter's.
+    """
+    edit = GraphEditor(graph)
+    for match in _reduce_scatter_matches(graph, report):
+        rs, mm = match.reduce_scatter, match.matmul
+        _, _, group_name, world_size = rs.args
+        if match.fp8:
+            a, w, a_scale, w_scale, _, out_dtype = mm.args
             policy = policy_for("scaled_mm_rs", int(val(w).shape[1]), int(val(w).shape[0]))
-            fused = edit.insert(
-                tpw.scaled_mm_rs.default, (a, a_scale, w, w_scale, group_name, world_size, out_dtype, policy), before=rs
-            )
+            args = (a, a_scale, w, w_scale, group_name, world_size, out_dtype, policy)
+            fused = edit.insert(tpw.scaled_mm_rs.default, args, before=rs)
         else:
-            a, w = src.args
+            a, w = mm.args
             policy = policy_for("mm_rs", int(val(w).shape[0]), int(val(w).shape[1]))
             fused = edit.insert(tpw.mm_rs.default, (a, w, group_name, world_size, policy), before=rs)
         if not same_sizes(val(fused).shape, val(rs).shape):
@@ -222,12 +288,8 @@ def fuse_matmul_reduce_scatters(
             report.add("reduce_scatter", rs, "left alone", "matmul rows do not match the scattered tokens")
             continue
         rs.replace_all_uses_with(fused)
-        for n in (rs, view, src):
+        for n in (rs, match.view, mm):
             if n is not None and not n.users:
                 graph.erase_node(n)
-        report.add(
-            "matmul+reduce_scatter",
-            fused,
-            "fused",
-            f"tpweave::{'scaled_mm_rs' if scaled else 'mm_rs'}, policy {policy!r}",
-        )
+        op = "scaled_mm_rs" if match.fp8 else "mm_rs"
+        report.add("matmul+reduce_scatter", fused, "fused", f"tpweave::{op}, policy {policy!r}")

@@ -63,6 +63,7 @@ class CompileReport:
     graphs: list[GraphReport] = field(default_factory=list)
     num_compiles: int = 0
     sp_min_tokens: int | None = None
+    table: str = ""  # which calibration table the policies come from, in words
     notes: list[str] = field(default_factory=list)  # about the whole model, e.g. nothing was compiled
     recompile_limit_hit_in: list[str] = field(default_factory=list)  # functions Dynamo stopped compiling
 
@@ -70,4 +71,6 @@ class CompileReport:
         head = f"tpweave report: {self.num_compiles} graph(s) compiled"
         if self.sp_min_tokens is not None:
             head += f"; sequence-parallel graph for M >= {self.sp_min_tokens}, plain TP graph below"
+        if self.table:
+            head += f"\ncalibration table: {self.table}"
         return "\n".join([head, *(f"note: {n}" for n in self.notes), *(str(g) for g in self.graphs)])

@@ -33,6 +33,7 @@ from tpweave.compiler.graph_utils import (
     val,
 )
 from tpweave.compiler.report import GraphReport
+from tpweave.compiler.tp_group import TPGroup
 
 # Consumers that need every token by nature: gathering before them is the plan, not a fallback.
 FULL_CONSUMERS = {
@@ -68,13 +69,6 @@ SAME_SHAPE_OPS = {
 }
 
 
-@dataclass(frozen=True)
-class SPConfig:
-    group_name: str
-    rank: int
-    world_size: int
-
-
 @dataclass
 class Shard:
     local: fx.Node  # this rank's rows, shape (ceil(N/TP), *features) (or a tuple of such)
@@ -94,7 +88,7 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 
 class SequenceParallelPass:
-    def __init__(self, graph: fx.Graph, cfg: SPConfig, report: GraphReport):
+    def __init__(self, graph: fx.Graph, cfg: TPGroup, report: GraphReport):
         self.graph, self.cfg, self.report = graph, cfg, report
         self.edit = GraphEditor(graph)
         self.shards: dict[fx.Node, Shard] = {}

@@ -1,6 +1,7 @@
 """Reference inference engine: sequence, block_manager, scheduler, model_runner, llm_engine."""
 
 from tpweave.engine.block_manager import BlockManager
+from tpweave.engine.config import EngineConfig
 from tpweave.engine.llm_engine import LLMEngine
 from tpweave.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from tpweave.engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -8,6 +9,7 @@ from tpweave.engine.sequence import SamplingParams, Sequence, SequenceStatus
 __all__ = [
     "LLMEngine",
     "BlockManager",
+    "EngineConfig",
     "SamplingParams",
     "ScheduledChunk",
     "Scheduler",

@@ -37,7 +37,7 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self.extra_blocks_needed(seq, num_tokens)
         if need > self.num_free:
-            raise AssertionError(f"seq {seq.seq_id} needs {need} blocks, {self.num_free} free: check can_grow first")
+            raise ValueError(f"seq {seq.seq_id} needs {need} blocks, {self.num_free} free: check can_grow first")
         for _ in range(need):
             block = self.free_blocks.popleft()
             assert self.ref_counts[block] == 0

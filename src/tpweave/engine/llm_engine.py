@@ -4,11 +4,11 @@ rank, so all ranks take the same steps."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-import torch
-
 from tpweave.engine.block_manager import BlockManager
+from tpweave.engine.config import EngineConfig
 from tpweave.engine.model_runner import ModelRunner
 from tpweave.engine.scheduler import Scheduler
 from tpweave.engine.sequence import SamplingParams, Sequence
@@ -16,57 +16,31 @@ from tpweave.runtime.context import TPContext
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        ctx: TPContext,
-        source,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        seed: int = 0,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        compile_model: bool = True,
-        baseline: bool = False,
-        sp_min_tokens: int | None = None,
-        cuda_graphs: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        **overrides,
-    ):
-        """num_blocks=None: sized from free GPU memory on CUDA (256 on CPU). baseline=True: plain TP
-        (the model's NCCL all-reduces, no SP or async TP), for A/B runs. cuda_graphs: decode steps
-        replay a graph captured per batch-size bucket (CUDA only)."""
+    """The reference engine: add_request / step / generate over a ModelRunner and a Scheduler."""
+
+    def __init__(self, ctx: TPContext, source, config: EngineConfig | None = None, **overrides: Any):
+        """`config` (default EngineConfig()) with `overrides` applied (EngineConfig fields, or ModelConfig
+        fields such as num_layers: EngineConfig.from_kwargs)."""
         from tpweave.models import resolve_config
 
-        max_model_len = max_model_len or resolve_config(source, **overrides).max_position_embeddings
-        self.runner = ModelRunner(
-            ctx,
-            source,
-            dtype=dtype,
-            seed=seed,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            compile_model=compile_model,
-            baseline=baseline,
-            sp_min_tokens=sp_min_tokens,
-            cuda_graphs=cuda_graphs,
-            gpu_memory_utilization=gpu_memory_utilization,
-            **overrides,
-        )
-        cfg = self.runner.model.config
-        self.vocab_size = cfg.vocab_size
+        config = EngineConfig.from_kwargs(config, **overrides)
+        if config.max_model_len is None:
+            max_len = resolve_config(source, **config.model_overrides).max_position_embeddings
+            config = dataclasses.replace(config, max_model_len=max_len)
+        self.config = config
+        self.runner = ModelRunner(ctx, source, config)
+        self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(
-            block_manager=BlockManager(num_blocks=self.runner.num_blocks, block_size=block_size),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            block_manager=BlockManager(num_blocks=self.runner.num_blocks, block_size=config.block_size),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
         )
         self.num_steps = 0
+
+    def release(self) -> None:
+        """Free the KV cache and the CUDA graphs (the engine cannot step afterwards)."""
+        self.runner.release()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Sequence:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]

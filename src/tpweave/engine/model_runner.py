@@ -15,8 +15,10 @@ import bisect
 import torch
 import torch.distributed as dist
 
-from tpweave.compiler.backend import BASELINE
+from tpweave import compiler
+from tpweave.compiler import PLAIN_TP, CompileOptions
 from tpweave.engine.block_manager import slot_of
+from tpweave.engine.config import EngineConfig
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
@@ -31,56 +33,43 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        ctx: TPContext,
-        source,
-        *,
-        dtype: torch.dtype,
-        seed: int,
-        block_size: int,
-        num_blocks: int | None,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        compile_model: bool,
-        baseline: bool = False,
-        sp_min_tokens: int | None = None,
-        cuda_graphs: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        **overrides,
-    ):
-        self.ctx, self.block_size, self.dtype = ctx, block_size, dtype
-        self.model = build_model(source, tp=ctx, dtype=dtype, seed=seed, **overrides)
+    """The model of one rank, its paged KV cache, step inputs, decode CUDA graphs and sampling."""
+
+    def __init__(self, ctx: TPContext, source, config: EngineConfig):
+        if config.max_model_len is None:
+            raise ValueError("ModelRunner needs config.max_model_len (LLMEngine fills it from the model)")
+        self.ctx, self.config, self.block_size, self.dtype = ctx, config, config.block_size, config.dtype
+        self.model = build_model(source, tp=ctx, dtype=config.dtype, seed=config.seed, **config.model_overrides)
         self.on_cuda = ctx.device.type == "cuda"
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = (
-                self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
-                if self.on_cuda
-                else DEFAULT_CPU_BLOCKS
-            )
+            num_blocks = DEFAULT_CPU_BLOCKS
+            if self.on_cuda:
+                num_blocks = self._blocks_from_free_memory(config.max_num_batched_tokens, config.gpu_memory_utilization)
         self.num_blocks = num_blocks
         self.pad_block = num_blocks  # never handed out
-        self.model.set_kv_cache((num_blocks + 1) * block_size)
+        self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
-        if compile_model and ctx.world_size > 1:
-            import tpweave
-
+        if config.compile_model and ctx.world_size > 1:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
-            self.forward = tpweave.compile(
-                self.model,
-                sp=False if baseline else None,
-                sp_min_tokens=sp_min_tokens,
-                **({k: v for k, v in BASELINE.items() if k != "sp"} if baseline else {}),
-            )
+            options = PLAIN_TP if config.baseline else CompileOptions()
+            self.forward = compiler.compile(self.model, options=options, sp_min_tokens=config.sp_min_tokens)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._static_out: dict[int, torch.Tensor] = {}  # each decode graph's output (logits of its bucket)
         self.num_graph_replays = 0
-        if cuda_graphs and self.on_cuda:
+        if config.cuda_graphs and self.on_cuda:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
             # workspaces for the largest M, so nothing is reallocated under a captured graph.
-            self._largest_step(max_num_batched_tokens)
-            self._capture_decode_graphs(decode_buckets(max_num_seqs))
+            self._largest_step(config.max_num_batched_tokens)
+            self._capture_decode_graphs(decode_buckets(config.max_num_seqs))
+
+    def release(self) -> None:
+        """Drop the decode CUDA graphs, their outputs and the KV cache (before another runner allocates its
+        own in this process); the runner cannot step afterwards."""
+        self.graphs.clear()
+        self._static_out.clear()
+        self.model.set_kv_cache(None)
 
     # -- memory -----------------------------------------------------------------------------------
     def _blocks_from_free_memory(self, num_tokens: int, utilization: float) -> int:
@@ -160,7 +149,7 @@ class ModelRunner:
             slots[b] = slot_of(c.seq.block_table, c.start, self.block_size)
             ctx_lens[b] = c.start + 1
             tables[b, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
-        assert n <= bucket
+        assert n <= bucket, (n, bucket)  # the caller picked a bucket that holds the batch
         return [ids, pos, slots, ctx_lens, tables]
 
     @torch.no_grad()
@@ -182,7 +171,6 @@ class ModelRunner:
         self._static = [t.to(dev) for t in self._decode_host_inputs([], top)]
         self._static_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self._static_rows = torch.arange(top, device=dev)  # int64, like the eager path's rows
-        self._static_out: dict[int, torch.Tensor] = {}
         pool = None
         with torch.no_grad():
             for bucket in sorted(buckets, reverse=True):  # largest first: workspaces sized once

@@ -47,6 +47,7 @@ class Scheduler:
             max_model_len,
         )
         self.waiting: deque[Sequence] = deque()
+        self._next_seq_id = 0  # ids are per scheduler (they seed sampling): two engines number alike
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -65,6 +66,9 @@ class Scheduler:
                 f"prompt of {n} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks} x "
                 f"{self.blocks.block_size})"
             )
+        if seq.seq_id < 0:
+            seq.seq_id = self._next_seq_id
+        self._next_seq_id = max(self._next_seq_id, seq.seq_id) + 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

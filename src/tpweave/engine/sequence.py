@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 
@@ -31,14 +30,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-_ids = itertools.count()
-
-
 @dataclass
 class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    seq_id: int = field(default_factory=lambda: next(_ids))
+    seq_id: int = field(default=-1, kw_only=True)  # -1: the scheduler assigns one when the sequence is added
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

@@ -1,1 +1,4 @@
-from tpweave.ops import attention, collectives, fp8, overlap  # noqa: F401  (registers the torch.library ops)
+"""Ops registered with torch.library (token collectives, attention, FP8 matmul, the strategy-dispatched
+ops) and the strategies behind them."""
+
+from tpweave.ops import attention, collectives, dispatched_ops, fp8  # noqa: F401  (registers the torch.library ops)

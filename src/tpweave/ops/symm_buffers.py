@@ -62,7 +62,7 @@ def wait_timeout_ms(group_name: str) -> int:
     that died inside a symmetric-memory op must not leave its peers' GPUs spinning forever)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from tpweave.runtime.groups import DEFAULT_COLLECTIVE_TIMEOUT_S
+    from tpweave.runtime.groups import default_collective_timeout_s
 
     group = _resolve_process_group(group_name)
     for device_type in ("cuda", "cpu"):
@@ -70,7 +70,7 @@ def wait_timeout_ms(group_name: str) -> int:
             return max(1, int(group._get_backend(torch.device(device_type)).options._timeout.total_seconds() * 1000))
         except (AttributeError, RuntimeError):  # no backend for this device type, or no options on it
             continue
-    return int(DEFAULT_COLLECTIVE_TIMEOUT_S * 1000)
+    return int(default_collective_timeout_s() * 1000)
 
 
 @functools.cache

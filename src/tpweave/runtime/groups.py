@@ -10,8 +10,19 @@ import torch.distributed as dist
 
 from tpweave.runtime.context import TPContext
 
-# A collective that waits longer than this raises instead of hanging (a dead or stuck peer).
-DEFAULT_COLLECTIVE_TIMEOUT_S = float(os.environ.get("TPWEAVE_COLLECTIVE_TIMEOUT", "300"))
+
+def default_collective_timeout_s() -> float:
+    """Seconds a collective may wait before it raises instead of hanging (a dead or stuck peer):
+    TPWEAVE_COLLECTIVE_TIMEOUT, read at call time, else 300."""
+    text = os.environ.get("TPWEAVE_COLLECTIVE_TIMEOUT", "300")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"TPWEAVE_COLLECTIVE_TIMEOUT={text!r} is not a positive number of seconds")
+    return value
+
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off everywhere we start.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -44,7 +55,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float | None = No
         # Several ranks share the CPU: one thread each keeps gloo runs from oversubscribing it.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world_size, 1)))
     if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S)
+        timeout = timedelta(seconds=timeout_s or default_collective_timeout_s())
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return TPContext.from_group(dist.group.WORLD, device=device)

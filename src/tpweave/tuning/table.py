@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from tpweave.compiler.log import logger
+from tpweave.log import logger
 from tpweave.models.config import ModelConfig
+from tpweave.ops.strategies import check_policy
 
 TABLE_VERSION = 1
 
@@ -80,16 +81,27 @@ class StrategyTable:
 
     @classmethod
     def from_json(cls, text: str) -> StrategyTable:
+        """Parse and validate a table; ValueError says what is malformed (schema, a policy string, an
+        unknown strategy name)."""
         raw = json.loads(text)
-        table = cls(
-            key=raw["key"],
-            policies=dict(raw["policies"]),
-            sp_min_tokens=int(raw["sp_min_tokens"]),
-            measurements=raw.get("measurements", {}),
-        )
-        if not all(isinstance(v, str) for v in table.policies.values()) or table.sp_min_tokens < 0:
-            raise ValueError("malformed policies or sp_min_tokens")
-        return table
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("key"), dict)
+            or not isinstance(raw.get("policies"), dict)
+        ):
+            raise ValueError("expected an object with 'key' and 'policies' objects")
+        sp_min = raw.get("sp_min_tokens")
+        if isinstance(sp_min, bool) or not isinstance(sp_min, int) or sp_min < 0:
+            raise ValueError(f"sp_min_tokens must be an integer >= 0, got {sp_min!r}")
+        for site, policy in raw["policies"].items():
+            if not isinstance(policy, str):
+                raise ValueError(f"policy of {site} is not a string: {policy!r}")
+            try:
+                check_policy(policy)
+            except ValueError as e:
+                raise ValueError(f"site {site}: {e}") from None
+        return cls(key=raw["key"], policies=dict(raw["policies"]), sp_min_tokens=sp_min,
+                   measurements=raw.get("measurements", {}))  # fmt: skip
 
 
 def cache_dir() -> Path:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from tpweave.ops import rms_norm, symm_buffers
-from tpweave.ops.overlap import Strategy, register
+from tpweave.ops.strategies.contract import Strategy
 
 _BARRIER, _FILLED = 0, 1
 
@@ -261,20 +261,18 @@ def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     return _sum(*_produce_and_push(a.shape[0], weight.shape[0], like, matmul_rows, group_name, world_size))
 
 
-CE_OVERLAP = register(
-    Strategy(
-        "ce_overlap",
-        ag_mm=ag_mm,
-        mm_rs=mm_rs,
-        mm_rs_rms_norm=mm_rs_rms_norm,
-        ag_scaled_mm=ag_scaled_mm,
-        scaled_mm_rs=scaled_mm_rs,
-        available=_available,
-        cudagraph_trees_safe=False,
-    )
+CE_OVERLAP = Strategy(
+    name="ce_overlap",
+    ag_mm=ag_mm,
+    mm_rs=mm_rs,
+    mm_rs_rms_norm=mm_rs_rms_norm,
+    ag_scaled_mm=ag_scaled_mm,
+    scaled_mm_rs=scaled_mm_rs,
+    available=_available,
+    cudagraph_trees_safe=False,
 )
 # The same pipeline with the peers' GEMMs on a second compute stream (all-gather side only: for mm_rs a
 # concurrent own-rows GEMM would only delay the push).
-CE_OVERLAP_2S = register(
-    Strategy("ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False)
+CE_OVERLAP_2S = Strategy(
+    name="ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False
 )

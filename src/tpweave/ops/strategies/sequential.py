@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tpweave.ops.overlap import Strategy, register
+from tpweave.ops.collectives import all_reduce as funcol_all_reduce
+from tpweave.ops.strategies.contract import Strategy
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
@@ -45,18 +46,14 @@ def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
 
 
 def all_reduce(x, group_name, world_size):
-    from tpweave.ops.collectives import all_reduce as funcol_all_reduce
-
     return funcol_all_reduce(x, group_name)
 
 
-SEQUENTIAL = register(
-    Strategy(
-        "sequential",
-        ag_mm=ag_mm,
-        mm_rs=mm_rs,
-        all_reduce=all_reduce,
-        ag_scaled_mm=ag_scaled_mm,
-        scaled_mm_rs=scaled_mm_rs,
-    )
+SEQUENTIAL = Strategy(
+    name="sequential",
+    ag_mm=ag_mm,
+    mm_rs=mm_rs,
+    all_reduce=all_reduce,
+    ag_scaled_mm=ag_scaled_mm,
+    scaled_mm_rs=scaled_mm_rs,
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tpweave.ops import symm_buffers
-from tpweave.ops.overlap import Strategy, register
+from tpweave.ops.strategies.contract import Strategy
 
 
 def _available(x: torch.Tensor) -> bool:
@@ -31,9 +31,5 @@ def two_shot(x, group_name, world_size):
     return torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, torch.empty_like(staged))
 
 
-ONE_SHOT = register(
-    Strategy("symm_mem_one_shot", all_reduce=one_shot, available=_available, cudagraph_trees_safe=False)
-)
-TWO_SHOT = register(
-    Strategy("symm_mem_two_shot", all_reduce=two_shot, available=_available, cudagraph_trees_safe=False)
-)
+ONE_SHOT = Strategy(name="symm_mem_one_shot", all_reduce=one_shot, available=_available, cudagraph_trees_safe=False)
+TWO_SHOT = Strategy(name="symm_mem_two_shot", all_reduce=two_shot, available=_available, cudagraph_trees_safe=False)

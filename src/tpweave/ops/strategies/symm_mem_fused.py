@@ -6,26 +6,26 @@ fused ops require; padding rows are dropped from the outputs.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from tpweave.ops import symm_buffers
-from tpweave.ops.overlap import Strategy, register
 from tpweave.ops.strategies import sequential
+from tpweave.ops.strategies.contract import Strategy
 
 # cuBLASLt's FP8 matmuls reject a chunk whose row count is not a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED,
 # measured at 1 row per rank on H200): such shards take the sequential path.
 FP8_ROW_ALIGN = 16
 
 
-@functools.cache
 def _enable(group_name: str) -> None:
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    """torch's fused ops look the group up in symmetric memory's registry (torch 2.11 and 2.13)."""
+    import torch.distributed._symmetric_memory as symm_mem
 
-    enable_symm_mem_for_group(group_name)
+    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        symm_mem.enable_symm_mem_for_group(group_name)
 
 
 def _available(x: torch.Tensor) -> bool:
@@ -113,14 +113,12 @@ def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     )
 
 
-SYMM_MEM_FUSED = register(
-    Strategy(
-        "symm_mem_fused",
-        ag_mm=ag_mm,
-        mm_rs=mm_rs,
-        ag_scaled_mm=ag_scaled_mm,
-        scaled_mm_rs=scaled_mm_rs,
-        available=_available,
-        cudagraph_trees_safe=False,
-    )
+SYMM_MEM_FUSED = Strategy(
+    name="symm_mem_fused",
+    ag_mm=ag_mm,
+    mm_rs=mm_rs,
+    ag_scaled_mm=ag_scaled_mm,
+    scaled_mm_rs=scaled_mm_rs,
+    available=_available,
+    cudagraph_trees_safe=False,
 )

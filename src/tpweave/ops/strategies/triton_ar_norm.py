@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from tpweave.ops import rms_norm, symm_buffers
-from tpweave.ops.overlap import Strategy, register
+from tpweave.ops.strategies import sequential
+from tpweave.ops.strategies.contract import Strategy, compose_all_reduce_rms_norm
 
 try:
     import triton
@@ -299,10 +300,8 @@ def _fused_all_reduce_rms_norm(
         or not rms_norm.triton_supported(x, weight)
         or (residual is not None and residual.dtype != x.dtype)
     ):
-        from tpweave.ops.overlap import compose_all_reduce_rms_norm
-
         return compose_all_reduce_rms_norm(
-            "sequential", x, residual, weight, eps, weight_in_fp32, group_name, world_size
+            sequential.all_reduce, x, residual, weight, eps, weight_in_fp32, group_name, world_size
         )
     x = x.contiguous()
     num_rows = x.numel() // hidden
@@ -368,20 +367,16 @@ _SENTINEL = {2: (torch.int16, -(2**15)), 4: (torch.int32, -(2**31))}
 _TL_BITS = {torch.int16: tl.int16, torch.int32: tl.int32} if triton is not None else {}
 
 
-TRITON_AR_NORM = register(
-    Strategy(
-        "triton_ar_norm",
-        all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="two_barriers"),
-        available=_available,
-        cudagraph_trees_safe=False,
-    )
+TRITON_AR_NORM = Strategy(
+    name="triton_ar_norm",
+    all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="two_barriers"),
+    available=_available,
+    cudagraph_trees_safe=False,
 )
-# Not measured yet (written when no 2-GPU machine was lent): the calibration table chooses it where it wins.
-TRITON_AR_NORM_LL = register(
-    Strategy(
-        "triton_ar_norm_ll",
-        all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="lamport"),
-        available=_available,
-        cudagraph_trees_safe=False,
-    )
+# No barrier (decode sizes): chosen only where a calibration table measured it faster.
+TRITON_AR_NORM_LL = Strategy(
+    name="triton_ar_norm_ll",
+    all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="lamport"),
+    available=_available,
+    cudagraph_trees_safe=False,
 )

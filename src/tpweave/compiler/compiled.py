@@ -1,0 +1,164 @@
+"""CompiledTP: what `tpweave.compile` returns. A callable with the module's signature that sends each
+call to the graph variant for its token count M ("sp" from the plan's sp_min_tokens on, "plain"
+below), marks the token dims dynamic, and notes in the report what Dynamo did that the passes
+cannot see (no graph traced, graph breaks, a reached recompile limit)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
+from tpweave.compiler.options import CompilePlan
+from tpweave.compiler.report import CompileReport
+from tpweave.compiler.tp_pass import describe
+from tpweave.log import logger
+from tpweave.ops.strategies import chosen_name
+
+
+def default_num_tokens(args: tuple) -> int:
+    """M: elements of the first integer tensor argument (token ids), else rows of the first tensor.
+    `args`: the positional arguments, then the keyword arguments' values in the order given."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point() and t.dim() >= 1:
+            return t.numel()
+    if tensors and tensors[0].dim() >= 2:
+        return tensors[0].numel() // tensors[0].shape[-1]
+    raise ValueError("cannot tell the number of tokens from the arguments: pass num_tokens_fn=")
+
+
+class _RecompileLimitWatch(logging.Filter):
+    """Dynamo says it reached a recompile limit only in a log warning, then runs that code eagerly."""
+
+    LOGGER = "torch._dynamo.convert_frame"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.functions: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "hit config." in record.msg:
+            lines = record.getMessage().splitlines()
+            self.functions += [line.split("function:", 1)[1].strip() for line in lines if "function:" in line] or ["?"]
+        return True
+
+
+@contextlib.contextmanager
+def _dynamo_budget(num_variants: int):
+    """Dynamo's recompile limit counts the cache entries of one code object: tpweave's variants of a
+    module (and every module of the same class in the process) share it, so each variant gets the
+    user's limit times the number of variants. Yields the watch that sees a limit reached."""
+    watch = _RecompileLimitWatch()
+    logger_ = logging.getLogger(_RecompileLimitWatch.LOGGER)
+    limit = torch._dynamo.config.recompile_limit * num_variants
+    logger_.addFilter(watch)
+    try:
+        with token_dynamic_config(), torch._dynamo.config.patch(recompile_limit=limit):
+            yield watch
+    finally:
+        logger_.removeFilter(watch)
+
+
+def _mark_dynamic(args: tuple) -> None:
+    """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors."""
+    for a in args:
+        if not isinstance(a, torch.Tensor) or a.dim() == 0:
+            continue
+        ndim = a.dim() if not a.is_floating_point() else max(a.dim() - 1, 1)
+        for d in range(ndim):
+            mark_tokens_dynamic([a], dim=d)
+
+
+@dataclass
+class CompiledTP:
+    """Callable with the module's signature; dispatches each call to the SP or the plain graph by M."""
+
+    module: torch.nn.Module
+    variants: dict[str, Callable]  # "plain", and "sp" when sequence parallelism is on
+    plan: CompilePlan
+    compile_report: CompileReport
+    num_tokens_fn: Callable[[tuple], int] = field(default=lambda args: default_num_tokens(args))
+    calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "plain": 0})
+
+    @property
+    def sp_min_tokens(self) -> int:
+        """The SP graph serves M >= this (when there is one)."""
+        return self.plan.sp_min_tokens
+
+    def variant_for(self, num_tokens: int) -> str:
+        """ "sp" or "plain": the graph variant that serves M = num_tokens."""
+        return "sp" if "sp" in self.variants and num_tokens >= self.sp_min_tokens else "plain"
+
+    def strategies_at(self, num_tokens: int) -> set[str]:
+        """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
+        opts = self.plan.variants[self.variant_for(num_tokens)]
+        kinds = None
+        if not opts.sp:  # only the kinds the plain graph really has (every all-reduce may have been fused)
+            done = {(s.kind, s.action) for g in self.compile_report.graphs if g.variant == "plain" for s in g.sites}
+            kinds = tuple(
+                k for k, act in (("all_reduce", "routed"), ("all_reduce_rms_norm", "fused")) if (k, act) in done
+            )
+        return {chosen_name(policy, num_tokens) for policy in opts.policies(kinds)}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # keyword arguments (HF style: model(input_ids=..., attention_mask=...)) after the positional ones
+        inputs = args + tuple(kwargs.values())
+        num_tokens = self.num_tokens_fn(inputs)
+        if num_tokens < 1:
+            raise ValueError(f"empty batch: {num_tokens} tokens")
+        variant = self.variant_for(num_tokens)
+        self.calls[variant] += 1
+        _mark_dynamic(inputs)
+        num_compiles_before = self.compile_report.num_compiles
+        with _dynamo_budget(len(self.variants)) as watch:
+            try:
+                out = self.variants[variant](*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
+                # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
+                self._note(
+                    f"[{variant}] torch.compile failed to trace this model ({describe(e)}): it runs eagerly, "
+                    "without tpweave's passes"
+                )
+                self.variants[variant] = self.module
+                out = self.module(*args, **kwargs)
+        compiled_now = self.compile_report.num_compiles - num_compiles_before
+        for function in watch.functions:
+            self._note(
+                f"Dynamo reached its recompile limit (torch._dynamo.config.recompile_limit x {len(self.variants)} "
+                "tpweave "
+                f"graph variants) in {function}: inputs needing a new graph there run eagerly, without tpweave's "
+                "passes (raise the limit; TORCH_LOGS=recompiles says what each graph specialized on)"
+            )
+            if function not in self.compile_report.recompile_limit_hit_in:
+                self.compile_report.recompile_limit_hit_in.append(function)
+        if self.calls[variant] == 1 and self.variants[variant] is not self.module:
+            if (
+                not any(g.variant == variant for g in self.compile_report.graphs)
+                and not self.compile_report.recompile_limit_hit_in
+            ):
+                self._note(
+                    f"[{variant}] torch.compile traced no graph of this model: it runs eagerly, "
+                    "without tpweave's passes "
+                    "(Dynamo could not trace its forward; one known cause: dist.all_reduce(..., async_op=True) and "
+                    "work.wait(): use the blocking call or torch.distributed._functional_collectives)"
+                )
+            elif compiled_now > 1:
+                self._note(
+                    f"[{variant}] Dynamo split the forward into {compiled_now} graphs (graph breaks; "
+                    "TORCH_LOGS=graph_breaks "
+                    "says where): the passes rewrite each graph on its own, and with sequence parallelism every "
+                    "boundary all-gathers the activations"
+                )
+        return out
+
+    def _note(self, msg: str) -> None:
+        if msg not in self.compile_report.notes:
+            logger.warning(msg)
+            self.compile_report.notes.append(msg)

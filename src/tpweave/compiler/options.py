@@ -1,0 +1,206 @@
+"""`tpweave.compile`'s options: one frozen object, validated when built, and the plan it becomes once
+the process group, the model and the calibration table are known.
+
+Defaults without a calibration table (docs/architecture.md, "Defaults", has the measurements):
+sequence parallelism from M >= DEFAULT_SP_MIN_TOKENS on NCCL groups with torch's fused ops there, and
+on NCCL groups the plain graph's all-reduce fused with the residual add + RMSNorm after it. On gloo
+(CPU) there is nothing to measure: the SP graph serves every M, so CPU runs exercise it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from tpweave.compiler.tp_group import TPGroup
+from tpweave.log import logger
+from tpweave.ops.strategies import check_policy, without_unsafe_under_cudagraph_trees
+from tpweave.tuning.table import SiteShape, StrategyTable
+
+if TYPE_CHECKING:
+    from tpweave.compiler.report import CompileReport
+
+DEFAULT_SP_MIN_TOKENS = 2048
+DEFAULT_OVERLAP_POLICY = "sequential@0,symm_mem_fused@2048"
+DEFAULT_AR_NORM_POLICY = "triton_ar_norm"
+# Attention ops cut the piecewise CUDA graphs (opaque to Inductor, shapes vary per step).
+ATTENTION_OPS = ("tpweave::attention", "tpweave::paged_attention")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How `tpweave.compile` rewrites and compiles a TP module. None means "decide from the group, the
+    table and the backend" (see the module doc). Policies are strategy policy strings
+    ("name" or "name@M,name@M,..."; ops/strategies/contract.py) for sites the table does not list."""
+
+    sp: bool | None = None  # sequence parallelism (+ async TP); None: on when TP > 1
+    async_tp: bool = True  # fuse the SP graph's all-gathers / reduce-scatters with their matmuls
+    sp_min_tokens: int | None = None  # the SP graph from this M on, the plain TP graph below
+    table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
+    ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
+    mm_rs_policy: str = DEFAULT_OVERLAP_POLICY
+    all_reduce_policy: str = "sequential"
+    all_reduce_rms_norm_policy: str | None = None  # None: triton_ar_norm on NCCL, else not fused
+    cudagraphs: bool = False  # Inductor's CUDA graph trees
+    piecewise: bool = False  # Inductor graph partition, cut at the attention ops
+    num_tokens_fn: Callable[[tuple], int] | None = None  # M from the call's arguments
+    strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
+
+    def __post_init__(self) -> None:
+        for name in ("async_tp", "cudagraphs", "piecewise", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"option {name} must be True or False, got {getattr(self, name)!r}")
+        if self.sp is not None and not isinstance(self.sp, bool):
+            raise TypeError(f"option sp must be True, False or None, got {self.sp!r}")
+        if self.sp_min_tokens is not None and (
+            isinstance(self.sp_min_tokens, bool) or not isinstance(self.sp_min_tokens, int) or self.sp_min_tokens < 0
+        ):
+            raise ValueError(f"sp_min_tokens must be >= 0 (an integer, or None), got {self.sp_min_tokens!r}")
+        if not (self.table is None or self.table == "auto" or isinstance(self.table, StrategyTable)):
+            raise ValueError(f"table must be a StrategyTable, None or 'auto', got {self.table!r}")
+        for name in ("ag_mm_policy", "mm_rs_policy", "all_reduce_policy", "all_reduce_rms_norm_policy"):
+            policy = getattr(self, name)
+            if policy is not None:
+                try:
+                    check_policy(policy)
+                except ValueError as e:
+                    raise ValueError(f"option {name}: {e}") from None
+        if self.num_tokens_fn is not None and not callable(self.num_tokens_fn):
+            raise TypeError(f"num_tokens_fn must be callable, got {type(self.num_tokens_fn).__name__}")
+
+    def replace(self, overrides: Mapping[str, Any]) -> CompileOptions:
+        """A copy with `overrides` (option name -> value); an unknown name is a TypeError listing the valid ones."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise TypeError(f"tpweave.compile got unknown option(s) {', '.join(unknown)}; options: {', '.join(names)}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    def inductor_config(self) -> dict[str, Any]:
+        """Inductor config patches these options imply."""
+        config: dict[str, Any] = {}
+        if self.cudagraphs:
+            config["triton.cudagraphs"] = True
+        if self.piecewise:
+            config["graph_partition"] = True
+            config["custom_should_partition_ops"] = list(ATTENTION_OPS)
+        return config
+
+
+# The arm every comparison is against: plain TP, the model's NCCL all-reduces, Inductor's own add + norm.
+PLAIN_TP = CompileOptions(sp=False, table=None, all_reduce_policy="sequential", all_reduce_rms_norm_policy="sequential")
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """What the passes do to one graph variant: "sp" (sequence parallel, async TP) or "plain"."""
+
+    sp: bool
+    async_tp: bool
+    ag_mm_policy: str = "sequential"  # default for sites the table does not list
+    mm_rs_policy: str = "sequential"
+    all_reduce_policy: str = "sequential"
+    all_reduce_rms_norm_policy: str = "sequential"  # "sequential": not fused (Inductor's add + norm)
+    site_policies: tuple[tuple[str, str], ...] = ()  # (SiteShape name, policy), from the table
+    cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The dispatched op kinds this variant's graph may hold."""
+        if self.sp:
+            return ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if self.async_tp else ()
+        return ("all_reduce", "all_reduce_rms_norm")
+
+    def policy(self, kind: str, k: int, n: int) -> str:
+        """The policy of a site of `kind` and shape (k, n): the table's, else this variant's default.
+        FP8 sites stay sequential unless the table lists a measured strategy for them."""
+        defaults = {
+            "ag_mm": self.ag_mm_policy,
+            "mm_rs": self.mm_rs_policy,
+            "all_reduce": self.all_reduce_policy,
+            "all_reduce_rms_norm": self.all_reduce_rms_norm_policy,
+        }
+        policy = dict(self.site_policies).get(SiteShape(kind, k, n).name, defaults.get(kind, "sequential"))
+        return without_unsafe_under_cudagraph_trees(policy) if self.cudagraph_trees else policy
+
+    def policies(self, kinds: tuple[str, ...] | None = None) -> list[str]:
+        """Every policy a site of this variant may carry (of `kinds`, default all of its kinds): the
+        defaults and the table's."""
+        kinds = self.kinds if kinds is None else kinds
+        defaults = [self.policy(kind, -1, -1) for kind in kinds]  # no site has shape -1
+        listed = [self.policy(*_site_key(site)) for site, _ in self.site_policies if _site_key(site)[0] in kinds]
+        return defaults + listed
+
+
+def _site_key(name: str) -> tuple[str, int, int]:
+    kind, _, shape = name.partition(":")
+    k, _, n = shape.partition("x")
+    return kind, int(k), int(n)
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """The options with every default decided: the graph variants, the SP boundary, the table used."""
+
+    variants: dict[str, PassOptions]
+    sp_min_tokens: int
+    table: str  # which calibration table, in words, for the report
+    strict: bool = False
+    inductor_config: dict[str, Any] = field(default_factory=dict)
+
+    def agreement(self) -> dict[str, Any]:
+        """What every rank must have decided alike (else their graphs' collectives would not match)."""
+        return {"sp_min_tokens": self.sp_min_tokens, **{n: dataclasses.asdict(v) for n, v in self.variants.items()}}
+
+    def new_report(self) -> CompileReport:
+        """An empty report for this plan."""
+        from tpweave.compiler.report import CompileReport
+
+        return CompileReport(sp_min_tokens=self.sp_min_tokens if "sp" in self.variants else None, table=self.table)
+
+
+def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
+    """Decide every default of `options` for this group and module (see the module doc)."""
+    table, table_text = _table(options.table, module, tp)
+    nccl = tp.backend == "nccl"
+    sp_min = options.sp_min_tokens
+    if sp_min is None:
+        sp_min = table.sp_min_tokens if table is not None else DEFAULT_SP_MIN_TOKENS if nccl else 0
+    ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if nccl else "sequential")
+    site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
+    common = dict(site_policies=site_policies, cudagraph_trees=options.cudagraphs)
+    variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
+                                     all_reduce_rms_norm_policy=ar_norm, **common)}  # fmt: skip
+    if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
+        variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=options.ag_mm_policy,
+                                     mm_rs_policy=options.mm_rs_policy, **common)  # fmt: skip
+    return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config())
+
+
+def _table(table: StrategyTable | str | None, module: object, tp: TPGroup) -> tuple[StrategyTable | None, str]:
+    """The calibration table to use, and a line saying which (or why none) for the report."""
+    if isinstance(table, StrategyTable):
+        return table, "given"
+    if table is None:
+        return None, "none (table=None): built-in defaults"
+    from tpweave.models.config import ModelConfig
+    from tpweave.tuning.table import load_table, table_key
+
+    cfg = getattr(module, "config", None)
+    param = next(module.parameters(), None) if isinstance(module, torch.nn.Module) else None
+    if tp.world_size == 1:
+        return None, "none (one rank): built-in defaults"
+    if not isinstance(cfg, ModelConfig) or param is None:
+        return None, (
+            f"none: table='auto' finds tables measured for tpweave's own models; this {type(module).__name__} "
+            "gets the built-in defaults (pass table=tpweave.tuning.load_table(...) to use one)"
+        )
+    found = load_table(table_key(cfg, tp=tp.world_size, dtype=param.dtype))
+    if found is None:
+        logger.info("no calibration table: built-in defaults (tpweave calibrate would tune this)")
+        return None, "none measured for this GPU, TP and dtype: built-in defaults (tpweave calibrate measures one)"
+    return found, "calibrated (tpweave calibrate)"

@@ -1,0 +1,121 @@
+"""The pass tpweave runs on each graph (Inductor's post-grad custom pre-pass: the whole ATen graph,
+before Inductor's own passes and before any graph partition), and the torch.compile backend that
+installs it.
+
+SP variant:    sequence_parallel -> async_tp (all-gather + matmul, matmul + reduce-scatter) ->
+               reduce-scatter + residual add + RMSNorm fusion
+plain variant: all-reduce + residual add + RMSNorm fusion -> remaining all-reduces routed to their strategy
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel
+from tpweave.compiler.graph_utils import count_collectives
+from tpweave.compiler.options import CompilePlan, PassOptions
+from tpweave.compiler.report import CompileReport, GraphReport
+from tpweave.compiler.tp_group import TPGroup
+from tpweave.log import logger
+
+
+class TPWeavePass(CustomGraphPass):
+    """The post-grad pass object; uuid() covers our sources and options so Inductor caches stay correct."""
+
+    def __init__(self, tp: TPGroup, options: PassOptions, report: GraphReport):
+        self.tp, self.options, self.report = tp, options, report
+        self.error: Exception | None = None
+
+    def __call__(self, graph: fx.Graph) -> None:
+        try:
+            self._run(graph)
+        except Exception as e:
+            self.error = e  # Inductor wraps what we raise; keep the original for the report
+            raise
+
+    def _run(self, graph: fx.Graph) -> None:
+        policy_for, report, variant = self.options.policy, self.report, self.report.variant
+        report.counts_before = count_collectives(graph)
+        logger.debug("[%s] graph before passes:\n%s", variant, graph)
+        if self.options.sp:
+            sequence_parallel.SequenceParallelPass(graph, self.tp, report).run()
+            logger.debug("[%s] graph after sequence_parallel:\n%s", variant, graph)
+            if self.options.async_tp:
+                async_tp.fuse_all_gather_matmuls(graph, policy_for=policy_for, report=report)
+                async_tp.fuse_matmul_reduce_scatters(graph, policy_for=policy_for, report=report)
+                allreduce_norm.fuse_reduce_scatter_norms(graph, report=report)
+                logger.debug("[%s] graph after async_tp:\n%s", variant, graph)
+        else:
+            allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)
+            allreduce.route_all_reduces(graph, self.tp, policy_for=policy_for, report=report)
+        graph.lint()
+        report.counts_after = count_collectives(graph)
+
+    def uuid(self) -> bytes:
+        """A hash of the passes' sources and of this pass's options (Inductor's cache key)."""
+        h = hashlib.sha256()
+        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm):
+            h.update(inspect.getsource(mod).encode())
+        h.update(repr((dataclasses.asdict(self.tp), dataclasses.asdict(self.options))).encode())
+        return h.digest()
+
+
+class TPBackend:
+    """A torch.compile backend: Inductor plus our pass. If our pass or Inductor fails: Inductor without
+    our pass; last, the graph uncompiled. Each fallback is a warning and a note in the report: a model
+    never crashes for our sake, unless `strict` (then a failure of our pass raises)."""
+
+    def __init__(self, *, variant: str, tp: TPGroup, plan: CompilePlan, report: CompileReport):
+        self.variant, self.tp, self.options, self.strict = variant, tp, plan.variants[variant], plan.strict
+        self.report, self.inductor_config = report, plan.inductor_config
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        """Compile one graph Dynamo traced (see the class doc)."""
+        self.report.num_compiles += 1
+        graph_report = GraphReport(self.variant)
+        self.report.graphs.append(graph_report)
+        tp_pass = TPWeavePass(self.tp, self.options, graph_report)
+        try:
+            return self._compile(gm, example_inputs, tp_pass)
+        except Exception as e:  # any failure: fall back, never crash
+            if tp_pass.error is not None:
+                if self.strict:
+                    raise RuntimeError(f"[{self.variant}] tpweave's passes failed: {describe(tp_pass.error)}") from e
+                self._note(graph_report, f"passes failed ({describe(tp_pass.error)}); compiled without them")
+            else:
+                self._note(graph_report, f"Inductor failed ({describe(e)}); compiling without our passes")
+        graph_report.sites.clear()
+        graph_report.counts_after = dict(graph_report.counts_before)  # the graph keeps its own collectives
+        try:
+            return self._compile(gm, example_inputs, None)
+        except Exception as e:
+            self._note(
+                graph_report, f"Inductor failed without our passes too ({describe(e)}); running this graph uncompiled"
+            )
+            return gm.forward
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, tp_pass: TPWeavePass | None) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(self.inductor_config)
+        if tp_pass is not None:
+            # The report is written by the pass: a cache hit would skip it, so compile for real.
+            patches |= {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def _note(self, graph_report: GraphReport, msg: str) -> None:
+        logger.warning("[%s] %s", self.variant, msg)
+        graph_report.notes.append(msg)
+
+
+def describe(e: BaseException) -> str:
+    """'TypeName: first line of the message'."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
