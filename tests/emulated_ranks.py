@@ -3,7 +3,7 @@ kernels (ce_overlap, triton_ar_norm*): torch's symmetric-memory allocator refuse
 device, and a protocol bug (a slot overwritten while a peer reads it, a signal sent twice, a wrong
 offset) would otherwise only show on a multi-GPU machine, as a hang or wrong numbers.
 
-`symm_buffers.reserve` / `handle` are replaced by buffers and signal pads in ordinary device memory
+`symm_buffers.reserve` is replaced by buffers and signal pads in ordinary device memory
 that every rank maps through CUDA IPC (rendezvous = a gloo all-gather of the IPC handles, at the
 same point of each rank's program as torch's), with torch's layout (pad[channel * world + src]) and
 semantics (put_signal: compare-and-swap 0 -> 1 with release, spinning while the slot is still set;
@@ -84,28 +84,29 @@ class EmulatedHandle:
 
 
 class EmulatedSymmetricMemory:
-    """This rank's buffers and handles; `install` puts it in place of symm_buffers.reserve / handle."""
+    """This rank's buffers and handles; `install` puts it in place of symm_buffers.reserve."""
 
     def __init__(self, rank: int, world_size: int):
         from torch._C._distributed_c10d import _SymmetricMemory
 
         self.rank, self.world_size = rank, world_size
         self.pad_numel = getattr(_SymmetricMemory, "signal_pad_size", 2048) // 4
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.handles: dict[int, EmulatedHandle] = {}
-        self.retired: list[torch.Tensor] = []
+        self.buffers: dict[tuple, object] = {}  # key -> symm_buffers.SymmBuffer
+        self.retired: list[object] = []
         self.signal = _signal_kernel
 
     def reserve(self, group_name, numel, dtype, device, *, tag="staging"):
         from torch.multiprocessing.reductions import reduce_tensor
 
+        from tpweave.ops.symm_buffers import SymmBuffer
+
         key = (group_name, dtype, torch.device(device), tag)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < numel:
+        held = self.buffers.get(key)
+        if held is None or held.tensor.numel() < numel:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"emulated symmetric buffer {key} grows during CUDA graph capture")
-            if buf is not None:
-                self.retired.append(buf)
+            if held is not None:
+                self.retired.append(held)
             buf = torch.zeros(numel, dtype=dtype, device=device)
             pad = torch.zeros(self.pad_numel, dtype=torch.int32, device=device)
             torch.cuda.synchronize()  # zeroed before a peer's kernel may touch them
@@ -115,17 +116,14 @@ class EmulatedSymmetricMemory:
             for r, ((rebuild_buf, buf_args), (rebuild_pad, pad_args)) in enumerate(shared):
                 bufs.append(buf if r == self.rank else rebuild_buf(*buf_args))
                 pads.append(pad if r == self.rank else rebuild_pad(*pad_args))
-            self.handles[id(buf)] = EmulatedHandle(self.rank, self.world_size, bufs, pads, self.signal)
-            self.buffers[key] = buf
-        return buf
-
-    def handle(self, buf):
-        return self.handles[id(buf)]
+            handle = EmulatedHandle(self.rank, self.world_size, bufs, pads, self.signal)
+            held = self.buffers[key] = SymmBuffer(buf, handle)
+        return held
 
     def install(self) -> None:
         from tpweave.ops import symm_buffers
 
-        symm_buffers.reserve, symm_buffers.handle = self.reserve, self.handle
+        symm_buffers.reserve = self.reserve
 
 
 def _emulated_rank(ctx, fn, args, timeout_s):

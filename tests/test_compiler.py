@@ -163,6 +163,13 @@ def test_pass_failure_falls_back_to_plain_compile(foreign_reference):
     assert after == before and not sites  # the report shows the graph as compiled: untouched
 
 
+def test_pass_failure_raises_under_strict():
+    """strict=True (what the other tests compile with): a failure inside tpweave's passes raises."""
+    kwargs = {"sp_min_tokens": 0, "strict": True}
+    with pytest.raises(tpweave.WorkerError, match="tpweave's passes failed: RuntimeError: injected pass failure"):
+        tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES[:1], kwargs, fail_pass=True, nprocs=2)
+
+
 def test_batch_seq_model_graphs_and_inductor_failure_fallbacks():
     """(batch, seq) MLPs of `x @ w.t()` with an in-place all-reduce, at every size-1 pattern of (batch,
     seq): one graph each, the same at TP=1, plain TP=2 (the all-reduce applied to the flattened token

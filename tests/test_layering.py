@@ -52,7 +52,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[st
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if not base.startswith("tpweave"):
                 continue
             for alias in node.names:

@@ -14,6 +14,14 @@ from tpweave.models.inputs import random_batch, split_tokens
 from tpweave.ops import collectives
 
 
+def compile_strict(model, **kwargs):
+    """tpweave.compile with strict=True unless the caller says otherwise: a failure inside tpweave's own
+    passes fails the test instead of compiling without them."""
+    import tpweave
+
+    return tpweave.compile(model, **{"strict": True, **kwargs})
+
+
 def batch_for(num_tokens: int, *, vocab_size: int, device, seed: int = 0):
     return random_batch(split_tokens(num_tokens, 3), vocab_size=vocab_size, seed=seed + num_tokens, device=device)
 
@@ -157,7 +165,7 @@ def foreign_model_outputs(
                 raise RuntimeError("injected Inductor failure")
 
             inductor.compile_fx = broken_inductor
-        compiled = tpweave.compile(model, **compile_kwargs)
+        compiled = compile_strict(model, **{"strict": not fail_pass, **compile_kwargs})
         result["compiled"] = [compiled(ids).cpu() for ids in inputs]
         rep = tpweave.report(compiled)
         result["report"] = str(rep)
@@ -180,7 +188,7 @@ def llama_compiled_outputs(
     out = {}
     for name in dtype_names:
         model = build_model(source, tp=ctx, dtype=DTYPES[name], seed=seed, **overrides)
-        compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
+        compiled = compile_strict(model, **(compile_kwargs or {"sp_min_tokens": 0}))
         for m in token_counts:
             batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
             out[(name, m, "compiled")] = compiled(*batch.args()).float().cpu()
@@ -197,22 +205,21 @@ def llama_compiled_outputs(
 
 
 def compile_errors(ctx):
-    import tpweave
 
     model = build_model("tiny", tp=ctx, dtype=torch.float32, num_layers=1)
     messages = {}
-    compiled = tpweave.compile(model, sp_min_tokens=0)
+    compiled = compile_strict(model, sp_min_tokens=0)
     empty = random_batch([1], vocab_size=model.config.vocab_size)
     try:
         compiled(empty.input_ids[:0], empty.positions[:0], empty.cu_seqlens)
     except ValueError as e:
         messages["empty"] = str(e)
     try:
-        tpweave.compile(model, sp_min_tokens=-1)
+        compile_strict(model, sp_min_tokens=-1)
     except ValueError as e:
         messages["negative"] = str(e)
     try:  # one rank with other options (e.g. a calibration table only it found): refused, not a hang
-        tpweave.compile(model, sp_min_tokens=64 if ctx.rank else 0)
+        compile_strict(model, sp_min_tokens=64 if ctx.rank else 0)
     except ValueError as e:
         messages["disagree"] = str(e)
     return messages
@@ -224,8 +231,8 @@ def gpu_sp_vs_plain(ctx, preset, token_counts, cudagraphs, num_layers=2):
     import tpweave
 
     model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
-    sp = tpweave.compile(model, sp=True, sp_min_tokens=0, cudagraphs=cudagraphs)
-    plain = tpweave.compile(model, sp=False, cudagraphs=cudagraphs)
+    sp = compile_strict(model, sp=True, sp_min_tokens=0, cudagraphs=cudagraphs)
+    plain = compile_strict(model, sp=False, cudagraphs=cudagraphs)
     out = {}
     for m in token_counts:
         batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
@@ -247,8 +254,8 @@ def gpu_piecewise(ctx, preset, token_counts, num_layers=2):
     import tpweave
 
     model = build_model(preset, tp=ctx, dtype=torch.bfloat16, num_layers=num_layers)
-    piecewise = tpweave.compile(model, sp=True, sp_min_tokens=0, cudagraphs=True, piecewise=True)
-    plain = tpweave.compile(model, sp=False)
+    piecewise = compile_strict(model, sp=True, sp_min_tokens=0, cudagraphs=True, piecewise=True)
+    plain = compile_strict(model, sp=False)
     out = {}
     for i, m in enumerate(token_counts):
         batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
@@ -320,7 +327,7 @@ def style_outputs(ctx, styles, token_counts, compile_model=True, compile_kwargs=
         if compile_model:
             # each style is a model of its own; the styles share StyleModel.forward's recompile limit
             torch._dynamo.reset()
-            compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
+            compiled = compile_strict(model, **(compile_kwargs or {"sp_min_tokens": 0}))
             compiled_out = [flat(compiled(ids)) for ids in inputs]
             rep = tpweave.report(compiled)
             rep = (
@@ -351,7 +358,7 @@ def reported_dynamo_limits(ctx, token_counts):
         with torch._dynamo.config.patch(recompile_limit=limit or torch._dynamo.config.recompile_limit):
             # both variants of "prenorm" fit (tpweave scales the limit by its variants); "gemma"'s are too many
             model = StyleModel(ctx.rank, ctx.world_size, style)
-            compiled = tpweave.compile(model, sp_min_tokens=4)
+            compiled = compile_strict(model, sp_min_tokens=4)
             outs = [(compiled(ids), model(ids)) for ids in inputs]
         rep = tpweave.report(compiled)
         results[name] = (outs, list(rep.notes), rep.num_compiles, [(g.variant, g.counts_after) for g in rep.graphs])
@@ -410,7 +417,7 @@ def fp8_outputs(ctx, source, token_counts, compile_model=True, **overrides):
     import tpweave
 
     model = build_model(source, tp=ctx, dtype=torch.bfloat16, seed=0, **overrides)
-    compiled = tpweave.compile(model, sp=True, sp_min_tokens=0) if compile_model else None
+    compiled = compile_strict(model, sp=True, sp_min_tokens=0) if compile_model else None
     out = {}
     for m in token_counts:
         batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)
@@ -683,7 +690,7 @@ def dtensor_model_outputs(ctx, shapes, compile_kwargs):
     eager = [model(ids) for ids in inputs]
     if ctx.world_size == 1:
         return {"eager": eager}
-    compiled = tpweave.compile(model, **compile_kwargs)
+    compiled = compile_strict(model, **compile_kwargs)
     rep = tpweave.report(compiled)
     # every other call by keyword: M comes from keyword arguments too
     outs = [compiled(ids) if i % 2 else compiled(ids_BS=ids) for i, ids in enumerate(inputs)]
@@ -699,7 +706,7 @@ def _compiled_hf_logits(model, inputs, want) -> dict:
     """The HF model compiled by tpweave (SP forced), called by keyword: logits against `want`, and the report."""
     import tpweave
 
-    compiled = tpweave.compile(model, sp_min_tokens=0)
+    compiled = compile_strict(model, sp_min_tokens=0)
     got = [compiled(input_ids=ids).logits for ids in inputs]
     rep = tpweave.report(compiled)
     return {
@@ -766,7 +773,7 @@ def tp_subgroup_outputs(ctx, token_counts, tp):
     ]  # every rank creates every group
     group = groups[ctx.rank // tp]
     model = build_model("tiny", tp=TPContext.from_group(group, device=ctx.device), dtype=torch.float32, seed=0)
-    compiled = tpweave.compile(model, group=group, sp_min_tokens=0)
+    compiled = compile_strict(model, group=group, sp_min_tokens=0)
     outs = []
     for m in token_counts:
         batch = batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device)

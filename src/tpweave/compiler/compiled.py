@@ -16,7 +16,7 @@ import torch
 from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
 from tpweave.compiler.options import CompilePlan
 from tpweave.compiler.report import CompileReport
-from tpweave.compiler.tp_pass import describe
+from tpweave.compiler.tp_pass import PassFailure, describe
 from tpweave.log import logger
 from tpweave.ops.strategies import chosen_name
 
@@ -120,6 +120,8 @@ class CompiledTP:
             try:
                 out = self.variants[variant](*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:
+                if self.plan.strict and _caused_by(e, PassFailure):
+                    raise
                 # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
                 # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
                 self._note(
@@ -162,3 +164,14 @@ class CompiledTP:
         if msg not in self.compile_report.notes:
             logger.warning(msg)
             self.compile_report.notes.append(msg)
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    """Whether `kind` is in e's chain of causes (Dynamo wraps what a backend raises)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or getattr(e, "inner_exception", None) or e.__context__
+    return False

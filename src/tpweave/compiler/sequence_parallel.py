@@ -167,7 +167,7 @@ class SequenceParallelPass:
         consumer; a consumer that sees other token dims (B, S vs B*S) gets a view of that gather."""
         sh = self.shards[node]
         if isinstance(val(node), (tuple, list)):
-            raise AssertionError(f"cannot gather the tuple-valued {node.name}")
+            raise NotImplementedError(f"a consumer needs all tokens of the tuple-valued {node.name}: not supported")
         key = (sh.local, tuple(sh.token_sizes))
         if key in self.gathered:
             return self.gathered[key]

@@ -26,6 +26,10 @@ from tpweave.compiler.tp_group import TPGroup
 from tpweave.log import logger
 
 
+class PassFailure(RuntimeError):
+    """tpweave's passes failed on a graph of a module compiled with strict=True."""
+
+
 class TPWeavePass(CustomGraphPass):
     """The post-grad pass object; uuid() covers our sources and options so Inductor caches stay correct."""
 
@@ -87,7 +91,7 @@ class TPBackend:
         except Exception as e:  # any failure: fall back, never crash
             if tp_pass.error is not None:
                 if self.strict:
-                    raise RuntimeError(f"[{self.variant}] tpweave's passes failed: {describe(tp_pass.error)}") from e
+                    raise PassFailure(f"[{self.variant}] tpweave's passes failed: {describe(tp_pass.error)}") from e
                 self._note(graph_report, f"passes failed ({describe(tp_pass.error)}); compiled without them")
             else:
                 self._note(graph_report, f"Inductor failed ({describe(e)}); compiling without our passes")

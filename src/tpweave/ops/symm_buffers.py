@@ -8,49 +8,55 @@ every rank) before a graph that uses it is captured, since capture cannot alloca
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-_BUFFERS: dict[tuple[str, torch.dtype, torch.device, str], torch.Tensor] = {}
-_HANDLES: dict[int, object] = {}  # id(buffer) -> its rendezvous handle (peer pointers, signal pads)
+
+@dataclass(eq=False)
+class SymmBuffer:
+    """A symmetric buffer, its rendezvous handle (peer buffer pointers, signal pads, barrier), and the
+    state of the protocol that uses it (kept with the buffer: a new buffer starts fresh)."""
+
+    tensor: torch.Tensor
+    handle: Any
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+# Process-wide, like NCCL communicators: (group, dtype, device, tag) -> its buffer.
+_BUFFERS: dict[tuple[str, torch.dtype, torch.device, str], SymmBuffer] = {}
 # Outgrown buffers stay alive: a CUDA graph captured earlier still reads and writes them.
-_RETIRED: list[torch.Tensor] = []
+_RETIRED: list[SymmBuffer] = []
 
 
 def reserve(
     group_name: str, numel: int, dtype: torch.dtype, device: torch.device, *, tag: str = "staging"
-) -> torch.Tensor:
+) -> SymmBuffer:
     """The buffer for (group, dtype, device, tag), at least `numel` elements. Kernels that keep their
     own signalling in the signal pads take their own tag, so no two protocols share a pad."""
     import torch.distributed._symmetric_memory as symm_mem
 
     key = (group_name, dtype, torch.device(device), tag)
     buf = _BUFFERS.get(key)
-    if buf is None or buf.numel() < numel:
+    if buf is None or buf.tensor.numel() < numel:
         if torch.cuda.is_current_stream_capturing():
+            have = 0 if buf is None else buf.tensor.numel()
             raise RuntimeError(
-                f"symmetric buffer for group {group_name} holds {0 if buf is None else buf.numel()} elements, {numel} "
-                "needed "
-                "during CUDA graph capture: run the largest M once (or call tpweave.ops.symm_buffers.reserve) before "
-                "capturing"
+                f"symmetric buffer for group {group_name} holds {have} elements, {numel} needed during CUDA graph "
+                "capture: run the largest M once (or call tpweave.ops.symm_buffers.reserve) before capturing"
             )
         if buf is not None:
             _RETIRED.append(buf)
-        buf = symm_mem.empty(numel, dtype=dtype, device=device)
-        _HANDLES[id(buf)] = symm_mem.rendezvous(buf, group_name)
-        _BUFFERS[key] = buf
+        tensor = symm_mem.empty(numel, dtype=dtype, device=device)
+        buf = _BUFFERS[key] = SymmBuffer(tensor, symm_mem.rendezvous(tensor, group_name))
     return buf
-
-
-def handle(buf: torch.Tensor):
-    """The rendezvous handle of a buffer `reserve` returned."""
-    return _HANDLES[id(buf)]
 
 
 def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """x copied into the symmetric buffer (a view of its first x.numel() elements, shaped like x)."""
     buf = reserve(group_name, x.numel(), x.dtype, x.device)
-    view = buf[: x.numel()].view(x.shape)
+    view = buf.tensor[: x.numel()].view(x.shape)
     view.copy_(x)
     return view
 

@@ -53,8 +53,8 @@ def _slots(group_name: str, world_size: int, rows: int, width: int, like: Tensor
     """(handle, [this rank's receive slot of each source rank]); a slot holds (rows, width)."""
     stride = _slot_stride(rows, width)
     buf = symm_buffers.reserve(group_name, world_size * stride, like.dtype, like.device, tag="ce_overlap")
-    handle = symm_buffers.handle(buf)
-    return handle, [buf[r * stride : r * stride + rows * width].view(rows, width) for r in range(world_size)]
+    slots = [buf.tensor[r * stride : r * stride + rows * width].view(rows, width) for r in range(world_size)]
+    return buf.handle, slots
 
 
 def _token_range(rank: int, rows: int, num_tokens: int) -> tuple[int, int]:

@@ -268,9 +268,6 @@ if triton is not None:
             rms_norm._norm_rows(s, res_ptr, w, h_ptr, y_ptr, offs, mask, eps, H, HAS_RESIDUAL, WEIGHT_FP32)
 
 
-_CALLS: dict[int, Tensor] = {}  # id(buffer) -> per-program call counters (triton_ar_norm_ll)
-
-
 def _fixed_grid(num_rows: int, world_size: int) -> int:
     """Programs of a triton_ar_norm_ll call: a power of two >= the rows (at most the pad's limit). Each
     grid size has its own buffer, pads and counters, so the grid of a buffer never changes."""
@@ -322,8 +319,7 @@ def _fused_all_reduce_rms_norm(
     if protocol == "lamport" and num_rows > LAMPORT_MAX_ROWS:
         protocol = "two_barriers"  # its buffer holds 3 x TP copies of the rows: a decode-size protocol
     if protocol == "two_barriers":
-        buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
-        handle = symm_buffers.handle(buf)
+        handle = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm").handle
         _all_reduce_rms_norm_kernel[(min(num_rows, _max_programs(world_size)),)](
             *tensors,
             handle.buffer_ptrs_dev,
@@ -339,19 +335,19 @@ def _fused_all_reduce_rms_norm(
     buf = symm_buffers.reserve(
         group_name, 3 * world_size * x.numel(), x.dtype, x.device, tag=f"ar_norm_{protocol}_{grid}"
     )
-    handle = symm_buffers.handle(buf)
+    handle = buf.handle
     bits, sentinel = _SENTINEL[x.element_size()]
-    calls = _CALLS.get(id(buf))
+    calls = buf.state.get("calls")  # per-program call counters
     if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
-        calls = _CALLS[id(buf)] = torch.zeros(grid, dtype=torch.int32, device=x.device)
-        buf.view(bits).fill_(sentinel)  # every element the sentinel on every rank before any peer stores data
+        calls = buf.state["calls"] = torch.zeros(grid, dtype=torch.int32, device=x.device)
+        buf.tensor.view(bits).fill_(sentinel)  # every element the sentinel on every rank before any peer stores data
         handle.barrier(channel=0, timeout_ms=timeout_ms)
     _all_reduce_rms_norm_ll_kernel[(grid,)](
         *tensors,
         handle.buffer_ptrs_dev,
         calls,
         num_rows,
-        buf.numel() // 3,
+        buf.tensor.numel() // 3,
         eps,
         timeout_ms,
         RANK=handle.rank,
