@@ -122,17 +122,15 @@ def test_gpu_llama3_8b_tokens_tp2_equal_tp1_with_cuda_graph_decode():
 
 def test_decode_buckets_and_padded_graph_inputs():
     from tpweave.engine.block_manager import slot_of
+    from tpweave.engine.config import EngineConfig
     from tpweave.engine.model_runner import ModelRunner, decode_buckets
     from tpweave.engine.scheduler import ScheduledChunk
     from tpweave.engine.sequence import Sequence
 
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert decode_buckets(1) == [1] and decode_buckets(5) == [1, 2, 4, 5] and decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-    runner = ModelRunner(
-        tpweave.TPContext.single(),
-        "tiny",
+    config = EngineConfig(
         dtype=torch.float32,
-        seed=0,
         block_size=4,
         num_blocks=8,
         max_num_seqs=4,
@@ -140,6 +138,7 @@ def test_decode_buckets_and_padded_graph_inputs():
         max_model_len=32,
         compile_model=False,
     )
+    runner = ModelRunner(tpweave.TPContext.single(), "tiny", config)
     assert runner.model.model.layers[0].self_attn.k_cache.shape[0] == (8 + 1) * 4  # + the pad block
     seqs = [Sequence([1, 2, 3, 4, 5]), Sequence([7, 8])]
     seqs[0].block_table, seqs[1].block_table = [3, 5], [0]

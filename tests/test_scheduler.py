@@ -53,7 +53,7 @@ def test_block_manager_alloc_free_refcounts():
     assert bm.slot(a, 4) == a.block_table[1] * 4
     bm.free(a)
     assert bm.num_free == 3 and a.block_table == [] and bm.ref_counts[b.block_table[0]] == 1
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="check can_grow first"):
         bm.grow(b, 100)
 
 

@@ -46,6 +46,8 @@ def _demo_worker(ctx, model_name: str, num_tokens: int, dtype_name: str, compile
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`tpweave demo`: run the model eagerly (and compiled, unless --no-compile) on --tp ranks and print what
+    rank 0 saw; exit status 0 when every rank agrees and compiled matches eager within the dtype's tolerance."""
     from tpweave.runtime import launch
 
     nprocs = args.tp
@@ -98,6 +100,7 @@ def _calibrate_worker(ctx, model, dtype_name, grid, settings, num_layers):
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    """`tpweave calibrate`: measure on --tp ranks, save the strategy table to the cache and print its policies."""
     from tpweave.bench.layer import BenchSettings
     from tpweave.models.config import get_preset
     from tpweave.runtime import launch
@@ -136,6 +139,8 @@ def _bench_layer_worker(ctx, model, dtype_name, tokens, settings, num_layers, wi
 
 
 def cmd_bench_layer(args: argparse.Namespace) -> int:
+    """`tpweave bench layer`: time layers (and ops unless --no-ops) per arm, print the layer table and write
+    the JSON and markdown results under --out."""
     from tpweave.bench.layer import BenchSettings
     from tpweave.bench.results import LAYER_COLUMNS, markdown_table, run_metadata, write_results
     from tpweave.models.config import get_preset
@@ -209,6 +214,8 @@ def _bench_latency_worker(ctx, model, dtype_name, num_layers, prefill, decode, s
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
+    """`tpweave bench latency`: time prefill and decode of the whole model per arm and write the results;
+    exit status 3 when the kernel verification found an arm that did not run what it should."""
     from tpweave.bench.layer import BenchSettings
     from tpweave.bench.results import DECODE_COLUMNS, PREFILL_COLUMNS, markdown_table, run_metadata, write_results
     from tpweave.models import resolve_config
@@ -291,6 +298,8 @@ def _bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, 
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """`tpweave bench serve`: serve the workloads (or --requests-file) at each rate through the engine per arm
+    and write the results; exit status 1 when a request was neither finished nor failed."""
     from pathlib import Path
 
     from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
@@ -365,6 +374,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """`tpweave report`: render results JSON files into one markdown report (--out/--name), print and write it."""
     from pathlib import Path
 
     from tpweave.bench.results import load_results, render
@@ -402,6 +412,8 @@ def _tokenizer(model: str):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """`tpweave generate`: generate from the prompts (text, token ids, or random ids) with the engine on --tp
+    ranks and print each completion, decoded when the model directory has a tokenizer."""
     import random
 
     from tpweave.models import resolve_config
@@ -455,6 +467,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: sys.argv[1:]) and run the subcommand; its exit status, 2 on a ValueError (printed)."""
     parser = argparse.ArgumentParser(prog="tpweave", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="run the tiny model on several ranks (gloo on CPU, NCCL on GPUs)")

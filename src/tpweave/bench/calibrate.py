@@ -17,6 +17,8 @@ DEFAULT_GRID = [1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
 def calibrate(
     ctx: TPContext, model: str, *, dtype_name: str, grid: list[int], settings: BenchSettings, num_layers: int
 ) -> StrategyTable:
+    """Time every strategy per site shape and per M of `grid`, then the SP graph against the plain graph per
+    layer; the table of per-site winners, with sp_min_tokens and the raw measurements filled in."""
     cfg = get_preset(model)
     dtype = DTYPES[dtype_name]
     op_rows = bench_ops(ctx, model, grid, dtype_name=dtype_name, settings=settings)

@@ -31,6 +31,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
 
 
 def categorize(name: str) -> str:
+    """Category of a kernel name: the first of CATEGORIES whose pattern matches, else "other"."""
     for category, pattern in CATEGORIES:
         if pattern.search(name):
             return category

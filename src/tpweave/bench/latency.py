@@ -42,6 +42,8 @@ def no_comm_twin(model: LlamaForCausalLM, ctx: TPContext) -> LlamaForCausalLM:
 
 
 def build_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int | None, table, arms=ARMS):
+    """Build the model (num_layers, when given, overrides its layer count) and compile it once per arm: (config,
+    TP model, {arm: compiled model}). Raises RuntimeError on CUDA when torch's symm_mem fused ops are missing."""
     overrides = {"num_layers": num_layers} if num_layers else {}
     cfg = resolve_config(model, **overrides)
     tp_model = build_model(cfg, tp=ctx, dtype=dtype)

@@ -34,18 +34,24 @@ class LayerStack(nn.Module):
         self.layers = layers
 
     def forward(self, x_MH: torch.Tensor, positions_M: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Run every layer in turn: x (M, H), positions (M,), cu_seqlens (num_seqs + 1,) -> (M, H)."""
         for layer in self.layers:
             x_MH = layer(x_MH, positions_M, cu_seqlens)
         return x_MH
 
 
 def hidden_fraction(t: float, t_baseline: float, t_compute: float) -> float | None:
+    """Share of the communication time an arm taking t hides: (t_baseline - t) / (t_baseline - t_compute);
+    None when compute alone is no faster than the baseline."""
     gap = t_baseline - t_compute
     return None if gap <= 0 else (t_baseline - t) / gap
 
 
 @dataclass(frozen=True)
 class BenchSettings:
+    """Timing loop sizes: `reps` interleaved samples after `warmup` calls per arm, each sample the mean
+    of `inner` back-to-back runs."""
+
     reps: int = 10
     warmup: int = 3
     inner: int = 5
@@ -84,6 +90,8 @@ def bench_layers(
     table: StrategyTable | None,
     arms: tuple[str, ...] = LAYER_ARMS,
 ) -> list[dict[str, Any]]:
+    """Time `num_layers` decoder layers under each arm for every M in `tokens` (one prefill sequence of M
+    tokens); one row per (M, arm), with times in ms per layer, speedup and hidden fraction against baseline."""
     dtype = DTYPES[dtype_name]
     cfg, variants = _layer_variants(ctx, model, dtype=dtype, num_layers=num_layers, table=table)
     rows = []

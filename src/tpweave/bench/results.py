@@ -14,6 +14,8 @@ import torch
 
 
 def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Device, GPU count, torch version, commit ($TPWEAVE_COMMIT, else git's HEAD), command line and UTC date
+    of this run, merged with `extra`."""
     import os
 
     commit = os.environ.get("TPWEAVE_COMMIT", "")  # set where the tree has no .git (the GPU box's copy)
@@ -46,6 +48,7 @@ def _fmt(v: Any) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A markdown table of `rows` restricted to `columns`; missing values show as "-", floats with 4 digits."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
@@ -161,6 +164,8 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
 def write_results(
     out_dir: str | Path, name: str, meta: dict[str, Any], rows: list[dict[str, Any]]
 ) -> tuple[Path, Path]:
+    """Write `name`.json (metadata and rows) and `name`.md (with its PNG plots) into `out_dir`, creating it;
+    (JSON path, markdown path)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
@@ -170,6 +175,7 @@ def write_results(
 
 
 def load_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(metadata, rows) of a JSON file written by write_results; ValueError if it cannot be read as one."""
     try:
         data = json.loads(Path(path).read_text())
         return data["meta"], data["rows"]

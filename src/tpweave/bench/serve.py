@@ -34,6 +34,9 @@ WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 
 @dataclass(frozen=True)
 class Request:
+    """One request of a workload: arrival time (s from the start of the run), prompt and output lengths in
+    tokens."""
+
     arrival_s: float
     input_len: int
     output_len: int
@@ -42,6 +45,8 @@ class Request:
 def poisson_requests(
     *, num_requests: int, rate: float, lengths: tuple[tuple[int, int], tuple[int, int]], seed: int
 ) -> list[Request]:
+    """`num_requests` requests arriving as a Poisson process of `rate` per second, lengths uniform within
+    the (input, output) ranges of `lengths`; deterministic for a given `seed`."""
     if rate <= 0 or num_requests < 1:
         raise ValueError(f"need rate > 0 and num_requests >= 1, got {rate}, {num_requests}")
     rng = random.Random(seed)

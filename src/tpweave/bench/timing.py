@@ -28,6 +28,9 @@ def allow_many_compiles() -> None:
 
 @dataclass
 class ArmTiming:
+    """Timing of one arm: median and every sample in ms (each the slowest rank's), and the peak memory its
+    warm-up allocated on the GPU in bytes (0 on CPU)."""
+
     median_ms: float
     samples_ms: list[float]
     peak_mem_bytes: int = 0
@@ -64,6 +67,8 @@ def time_arms(
     inner: int = 5,
     cuda_graphs: bool = True,
 ) -> dict[str, ArmTiming]:
+    """Time each zero-argument arm as the module docstring describes: {name: ArmTiming}. `group` is the
+    process group whose ranks run the same arms (None: this process alone); cuda_graphs=False replays eagerly."""
     names = list(arms)
     on_cuda = torch.cuda.is_available() and (group is None or dist.get_backend(group) == "nccl")
     peak: dict[str, int] = {n: 0 for n in names}

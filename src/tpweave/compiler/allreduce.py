@@ -17,6 +17,9 @@ from tpweave.compiler.tp_group import TPGroup
 def route_all_reduces(
     graph: fx.Graph, cfg: TPGroup, *, policy_for: Callable[[str, int, int], str], report: GraphReport
 ) -> None:
+    """Replace each sum all-reduce over the TP group (with one user) by tpweave::all_reduce under the policy
+    `policy_for` gives it at this hidden size; the others, and those whose policy is "sequential", stay the
+    process group's all-reduces (token dims flattened where possible). Every decision is added to `report`."""
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]

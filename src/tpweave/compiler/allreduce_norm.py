@@ -31,6 +31,9 @@ KIND = "all_reduce_rms_norm"
 
 @dataclass(frozen=True)
 class RMSNormMatch:
+    """An RMSNorm found in the graph: its output y, its (H,) weight, eps, whether the weight multiplies in fp32
+    before the cast (Gemma / F.rms_norm style), and its nodes between the input and y."""
+
     y: fx.Node  # the norm's output, replaced by the fused op's first result
     weight: fx.Node
     eps: float
@@ -39,6 +42,8 @@ class RMSNormMatch:
 
 
 class NoMatch(Exception):
+    """The graph does not have the expected pattern here; the message says what differs."""
+
     pass
 
 
@@ -167,6 +172,8 @@ def _describe(residual, norm: RMSNormMatch, policy: str) -> str:
 def fuse_all_reduce_norms(
     graph: fx.Graph, cfg: TPGroup, *, policy_for: Callable[[str, int, int], str], report: GraphReport
 ) -> None:
+    """Plain-TP graph: all-reduce -> (+ residual) -> RMSNorm becomes tpweave::all_reduce_rms_norm where the
+    site's policy is not "sequential"; matches that fail are added to `report` with the reason."""
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]

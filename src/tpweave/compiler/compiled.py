@@ -107,6 +107,9 @@ class CompiledTP:
         return {chosen_name(policy, num_tokens) for policy in opts.policies(kinds)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the graph variant for the call's M (ValueError when M < 1). Where Dynamo cannot trace the forward
+        that variant runs the module eagerly from then on (unless the plan is strict and a pass failed, which
+        raises), and what Dynamo did that the passes cannot see is logged and noted in the report."""
         # keyword arguments (HF style: model(input_ids=..., attention_mask=...)) after the positional ones
         inputs = args + tuple(kwargs.values())
         num_tokens = self.num_tokens_fn(inputs)

@@ -20,6 +20,7 @@ import torch.fx.experimental._config as fx_config
 
 
 def token_dynamic_config() -> contextlib.AbstractContextManager:
+    """Context manager for compiling with dynamic token dims: Dynamo's duck sizing off (module docstring)."""
     return fx_config.patch(use_duck_shape=False)
 
 

@@ -33,22 +33,27 @@ COLLECTIVE_TARGETS = {
 
 
 def val(x: Any) -> Any:
+    """The fake value (meta['val']) of an FX node, None if it has none; anything else is returned as it is."""
     return x.meta.get("val") if isinstance(x, fx.Node) else x
 
 
 def is_tensor_node(x: Any) -> bool:
+    """Whether x is an FX node whose fake value is a tensor."""
     return isinstance(x, fx.Node) and isinstance(val(x), torch.Tensor)
 
 
 def same(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) are known to be equal without adding a guard."""
     return bool(statically_known_true(a == b))
 
 
 def same_sizes(a: tuple, b: tuple) -> bool:
+    """Whether two shapes have the same rank and sizes known to be equal (see `same`)."""
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def prod(sizes) -> Any:
+    """Product of the sizes (ints or SymInts); 1 for none."""
     return math.prod(sizes)
 
 
@@ -62,6 +67,7 @@ def all_reduce_waits(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
 
 
 def count_collectives(graph: fx.Graph) -> dict[str, int]:
+    """Number of nodes per collective kind (the keys of COLLECTIVE_TARGETS) in the graph, sorted by kind."""
     inverse = {v: k for k, v in COLLECTIVE_TARGETS.items()}
     counts = Counter(inverse[n.target] for n in graph.nodes if n.op == "call_function" and n.target in inverse)
     return dict(sorted(counts.items()))
@@ -76,6 +82,8 @@ class GraphEditor:
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
 
     def insert(self, target, args: tuple, kwargs: dict | None = None, *, before: fx.Node) -> fx.Node:
+        """Insert target(*args, **kwargs) before `before`, its meta['val'] computed on the inputs' fake values;
+        the new node."""
         kwargs = kwargs or {}
         with self.graph.inserting_before(before):
             node = self.graph.call_function(target, args, kwargs)
@@ -103,6 +111,7 @@ class GraphEditor:
         return self.insert(aten.sym_size.int, (x, dim), before=before)
 
     def erase_unused(self, candidates: set[fx.Node]) -> None:
+        """Erase the nodes of `candidates` that have no users, last first (so a chain of them goes entirely)."""
         for node in reversed(list(self.graph.nodes)):
             if node in candidates and not node.users:
                 self.graph.erase_node(node)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Site:
+    """One collective site of a graph: its kind, node name, shape and dtype of the communicated tensor, what
+    the passes made of it and why; row_bytes is the bytes per token row when static, else None."""
+
     kind: str  # "all_reduce", "all_gather", "reduce_scatter", "gather_before_unknown_op", ...
     node: str  # node name in the post-grad graph
     shape: str
@@ -23,6 +26,9 @@ class Site:
 
 @dataclass
 class GraphReport:
+    """What the passes did to one compiled graph of a variant ("sp" or "plain"): its sites, notes, and the
+    graph's collectives per kind before and after the passes."""
+
     variant: str
     sites: list[Site] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -30,6 +36,8 @@ class GraphReport:
     counts_after: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
+        """Record what became of the collective at `node` (shape, dtype and bytes per token row read from its fake
+        value); the new Site."""
         val = node.meta.get("val") if hasattr(node, "meta") else None
         shape = tuple(val.shape) if hasattr(val, "shape") else ()
         dtype = str(val.dtype).removeprefix("torch.") if hasattr(val, "dtype") else ""

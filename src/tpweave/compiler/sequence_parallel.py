@@ -71,15 +71,21 @@ SAME_SHAPE_OPS = {
 
 @dataclass
 class Shard:
+    """A token-sharded node: `local` holds this rank's rows of the flattened token dims, `token_sizes` the
+    logical token dims (FX arguments) of the replicated value."""
+
     local: fx.Node  # this rank's rows, shape (ceil(N/TP), *features) (or a tuple of such)
     token_sizes: list  # FX args (ints / SymInt nodes) of the logical token dims, N = their product
 
     @property
     def num_token_dims(self) -> int:
+        """Number of leading token dims of the replicated value."""
         return len(self.token_sizes)
 
 
 class NotTokenWise(Exception):
+    """The op is not known to be token-wise on a Shard; the message says why."""
+
     pass
 
 
@@ -88,6 +94,8 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 
 class SequenceParallelPass:
+    """Rewrites one graph in place by the rules of the module docstring, adding every site to `report`."""
+
     def __init__(self, graph: fx.Graph, cfg: TPGroup, report: GraphReport):
         self.graph, self.cfg, self.report = graph, cfg, report
         self.edit = GraphEditor(graph)
@@ -97,6 +105,7 @@ class SequenceParallelPass:
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> None:
+        """Visit every node in graph order, gather the Shards the graph outputs, then erase the replaced nodes."""
         for node in list(self.graph.nodes):
             if node.op == "output":
                 self._gather_inputs(node, why="graph output")
@@ -105,6 +114,8 @@ class SequenceParallelPass:
         self.edit.erase_unused(self.replaced)
 
     def visit(self, node: fx.Node) -> None:
+        """Apply the rules to one node: a TP all-reduce becomes a reduce-scatter, a token-wise op on a Shard
+        stays sharded, any other reader of a Shard gets its inputs gathered first."""
         if node.target is funcol.wait_tensor.default and self._is_all_reduce(node.args[0]):
             self._all_reduce(node)
             return

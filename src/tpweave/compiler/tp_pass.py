@@ -38,6 +38,8 @@ class TPWeavePass(CustomGraphPass):
         self.error: Exception | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
+        """Run the SP (+ async-TP) passes or the plain-TP ones, as the options say, on the post-grad graph in
+        place; an exception is kept in `error` and raised again."""
         try:
             self._run(graph)
         except Exception as e:

@@ -13,6 +13,9 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
 
 
 class BlockManager:
+    """Hands out the `num_blocks` KV-cache blocks of `block_size` token slots each to sequences, first freed
+    first reused; a block returns to the free list when its reference count drops to 0."""
+
     def __init__(self, *, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
@@ -22,9 +25,11 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free list."""
         return len(self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (rounded up)."""
         return -(-num_tokens // self.block_size)
 
     def extra_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -32,9 +37,12 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether enough blocks are free for the first `num_tokens` tokens of `seq` to have KV slots."""
         return self.extra_blocks_needed(seq, num_tokens) <= self.num_free
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append to seq.block_table the free blocks its first `num_tokens` tokens need; ValueError (nothing
+        taken) if there are not enough."""
         need = self.extra_blocks_needed(seq, num_tokens)
         if need > self.num_free:
             raise ValueError(f"seq {seq.seq_id} needs {need} blocks, {self.num_free} free: check can_grow first")
@@ -45,6 +53,7 @@ class BlockManager:
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
+        """Drop seq's reference to each of its blocks and empty its block table; blocks no one holds become free."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0
@@ -53,4 +62,5 @@ class BlockManager:
         seq.block_table = []
 
     def slot(self, seq: Sequence, position: int) -> int:
+        """Flat KV slot of token `position` of `seq` in the page pool (see slot_of)."""
         return slot_of(seq.block_table, position, self.block_size)

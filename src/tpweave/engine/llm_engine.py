@@ -43,6 +43,8 @@ class LLMEngine:
         self.runner.release()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Sequence:
+        """Queue a prompt (token ids) with `params` (default SamplingParams()); the new Sequence. ValueError,
+        and nothing queued, for a token id outside the vocabulary or a request the scheduler rejects."""
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {self.vocab_size})")
@@ -51,6 +53,7 @@ class LLMEngine:
         return seq
 
     def step(self) -> list[Sequence]:
+        """Schedule and run one step (forward and sampling); the sequences that finished or failed in this step."""
         out = self.scheduler.schedule()
         next_tokens = self.runner.run(out.chunks, self.num_steps)
         self.num_steps += 1

@@ -13,6 +13,8 @@ from tpweave.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
+    """The `num_tokens` tokens of `seq` from position `start` on that one step computes."""
+
     seq: Sequence
     start: int  # position of the first token computed in this step
     num_tokens: int
@@ -25,16 +27,22 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: the chunks to compute, the sequences preempted to make room, those that failed."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed in the step, over all chunks (M of the forward)."""
         return sum(c.num_tokens for c in self.chunks)
 
 
 class Scheduler:
+    """Decides each step which tokens of which sequences run (module docstring), within max_num_seqs running
+    sequences and max_num_batched_tokens tokens per step, and holds their KV blocks in `block_manager`."""
+
     def __init__(
         self, *, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
     ):
@@ -73,6 +81,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether any sequence is still waiting or running."""
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -85,6 +94,9 @@ class Scheduler:
         out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step: running sequences first (a prefill chunk or a decode each, preempting the newest
+        to free KV blocks), then waiting ones in arrival order while the token budget lasts. A sequence
+        that cannot fit even with the whole cache fails and is listed in `failed`."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()

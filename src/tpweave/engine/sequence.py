@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is: waiting to be scheduled, running, or done (finished or failed)."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -15,6 +17,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How each next token is picked: greedy at temperature 0, else temperature and top-p sampling seeded
+    from `seed` (None: 0), the step and the sequence id. Generation ends after max_tokens new tokens or
+    at a token of stop_token_ids."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     max_tokens: int = 16
@@ -22,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
+        """Raise ValueError if max_tokens < 1, temperature < 0 or top_p is outside (0, 1]."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -32,6 +39,9 @@ class SamplingParams:
 
 @dataclass
 class Sequence:
+    """A request: its prompt and generated tokens, how many of them have their KV in the cache, its KV
+    blocks, and how it ended (finish_reason "stop" or "length", or an error)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     seq_id: int = field(default=-1, kw_only=True)  # -1: the scheduler assigns one when the sequence is added
@@ -45,14 +55,17 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """Prompt then generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet."""
         return self.num_tokens - self.num_computed_tokens
 
     @property
@@ -62,4 +75,5 @@ class Sequence:
 
     @property
     def is_done(self) -> bool:
+        """Whether the sequence finished or failed."""
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.FAILED)

@@ -14,6 +14,8 @@ from tpweave.runtime.context import TPContext
 
 
 def resolve_config(source: str | ModelConfig, **overrides) -> ModelConfig:
+    """The ModelConfig of a ModelConfig, an HF-format directory (its config.json) or a preset name, with
+    `overrides` (ModelConfig fields) applied."""
     if isinstance(source, ModelConfig):
         return source.replace(**overrides) if overrides else source
     if Path(source).is_dir():

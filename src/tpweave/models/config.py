@@ -15,6 +15,9 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Dimensions and options of a Llama-family decoder, named as in the code (num_kv_heads: GQA K/V
+    heads; quantization None or "fp8"; rope_scaling as in HF's config.json, None for plain RoPE)."""
+
     name: str
     vocab_size: int
     hidden_size: int
@@ -35,6 +38,7 @@ class ModelConfig:
     activation_scheme: str = "dynamic"
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with the given fields changed."""
         return dataclasses.replace(self, **changes)
 
     def check_tp(self, tp: int) -> None:
@@ -55,6 +59,7 @@ class ModelConfig:
             raise ValueError(f"TP={tp} does not divide {', '.join(bad)} of model {self.name!r}")
 
     def to_hf(self) -> dict[str, Any]:
+        """This config as an HF config.json dict (llama, or qwen2 when qkv_bias)."""
         return {
             "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
             "model_type": "qwen2" if self.qkv_bias else "llama",
@@ -87,6 +92,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, name: str = "hf") -> ModelConfig:
+        """The config of an HF config.json dict (llama, qwen2 or mistral, SwiGLU, unquantized or FP8 without
+        block-wise scales); ValueError for anything else or a missing key."""
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
             raise ValueError(
@@ -129,6 +136,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """The config of an HF-format model directory (its config.json), named after the directory; ValueError
+        without one."""
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"{path} is not an HF-format model directory: no config.json")
@@ -162,6 +171,7 @@ for _name in [n for n, c in PRESETS.items() if c is None]:
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The preset `name` with `overrides` (ModelConfig fields) applied; ValueError for an unknown name."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     cfg = PRESETS[name]

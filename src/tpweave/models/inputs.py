@@ -10,15 +10,20 @@ from torch import Tensor
 
 @dataclass
 class PackedBatch:
+    """Token ids (M,), positions within their sequence (M,), and cu_seqlens (B + 1,) int32: sequence b spans
+    rows cu_seqlens[b]:cu_seqlens[b + 1]."""
+
     input_ids: Tensor  # (M,) int64
     positions: Tensor  # (M,) int64, position of each token within its sequence
     cu_seqlens: Tensor  # (B + 1,) int32, sequence b spans rows cu_seqlens[b]:cu_seqlens[b + 1]
 
     @property
     def num_tokens(self) -> int:
+        """M, the tokens of all sequences together."""
         return self.input_ids.shape[0]
 
     def args(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(input_ids, positions, cu_seqlens): the model's positional arguments."""
         return self.input_ids, self.positions, self.cu_seqlens
 
 
@@ -34,6 +39,8 @@ def split_tokens(num_tokens: int, num_seqs: int) -> list[int]:
 def random_batch(
     seq_lens: list[int], *, vocab_size: int, seed: int = 0, device: str | torch.device = "cpu"
 ) -> PackedBatch:
+    """A packed batch of sequences of the given lengths, random ids in [0, vocab_size) from `seed`, on
+    `device`; ValueError for no sequence or an empty one."""
     if not seq_lens or any(n < 1 for n in seq_lens):
         raise ValueError(f"every sequence needs at least one token, got lengths {seq_lens}")
     gen = torch.Generator().manual_seed(seed)

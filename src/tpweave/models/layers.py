@@ -77,6 +77,7 @@ class ColumnParallelLinear(_Linear):
         self.bias = _param(out_features // tp.world_size, dtype=dtype, device=tp.device) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (M, K) -> this rank's output features (M, N/TP), bias added."""
         return self._matmul(x, self.bias)
 
 
@@ -94,6 +95,7 @@ class RowParallelLinear(_Linear):
         self._init_weights(out_features, in_features // tp.world_size, quant=quant, dtype=dtype, device=tp.device)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (M, K/TP), this rank's input features -> (M, N) summed over ranks."""
         return all_reduce(self._matmul(x, None), self.group_name)
 
 
@@ -108,6 +110,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param(self.num_local, hidden_size, dtype=dtype, device=tp.device)
 
     def forward(self, ids_M: Tensor) -> Tensor:
+        """ids (M,) -> embeddings (M, H), each row from the rank that holds its vocabulary entry."""
         local = ids_M - self.start
         in_range = (local >= 0) & (local < self.num_local)
         x_MH = F.embedding(torch.where(in_range, local, 0), self.weight)
@@ -124,6 +127,7 @@ class ParallelLMHead(nn.Module):
         self.weight = _param(vocab_size // tp.world_size, hidden_size, dtype=dtype, device=tp.device)
 
     def forward(self, x_MH: Tensor) -> Tensor:
+        """x (M, H) -> logits (M, V) over the whole vocabulary (this rank's (M, V/TP) without a TP group)."""
         logits_local = F.linear(x_MH, self.weight)
         if self.group_name is None:
             return logits_local
@@ -142,12 +146,15 @@ class RMSNorm(nn.Module):
         self.weight = _param(hidden_size, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (..., H) divided by its root mean square over H (computed in fp32), times the weight."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """RoPE inverse frequencies (head_dim/2,) fp32 for base `theta`, with HF's rope_scaling (llama3, linear,
+    default or None) applied; ValueError for another type."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq.float()
@@ -179,6 +186,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1).to(device), persistent=False)
 
     def forward(self, positions_M: Tensor, q_MHD: Tensor, k_MKD: Tensor) -> tuple[Tensor, Tensor]:
+        """q (M, H, D) and k (M, K, D) rotated by the angles of their tokens' positions (M,)."""
         cos, sin = self.cos_sin[positions_M].unsqueeze(1).chunk(2, dim=-1)  # (M, 1, D/2)
         return _rotate(q_MHD, cos, sin), _rotate(k_MKD, cos, sin)
 

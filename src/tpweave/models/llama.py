@@ -37,6 +37,9 @@ class KVMeta:
 
 
 class Attention(nn.Module):
+    """Self-attention with this rank's q and kv heads: fused QKV projection (column-parallel), RoPE,
+    attention over the packed batch or the paged KV cache, output projection (row-parallel)."""
+
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.num_heads = cfg.num_heads // tp.world_size
@@ -61,6 +64,8 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
 
     def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:
+        """x (M, H) -> (M, H), summed over ranks. With `kv`, the new tokens' K/V are written to the cache at
+        kv.slot_mapping and attention reads each sequence's whole context from it."""
         num_tokens = x_MH.shape[0]
         # View the contiguous qkv output as heads first, then split: views of the non-contiguous
         # q/k/v slices would make Inductor guard on M == 1 (a recompile at decode of one sequence).
@@ -87,6 +92,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP: gate and up projections fused (column-parallel), down projection (row-parallel)."""
+
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         quant = Quant(cfg.quantization, cfg.activation_scheme)
@@ -96,11 +103,14 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, dtype=dtype, quant=quant)
 
     def forward(self, x_MH: Tensor) -> Tensor:
+        """x (M, H) -> down(silu(gate(x)) * up(x)) (M, H), summed over ranks."""
         gate, up = self.gate_up_proj(x_MH).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(.))."""
+
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
@@ -109,11 +119,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp=tp, dtype=dtype)
 
     def forward(self, x_MH: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:
+        """x (M, H) -> (M, H); `kv` as in Attention.forward."""
         h = x_MH + self.self_attn(self.input_layernorm(x_MH), positions_M, cu_seqlens, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
+    """Embedding, the decoder layers and the final norm."""
+
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
@@ -121,6 +134,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
 
     def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:
+        """ids (M,) -> final hidden states (M, H); `kv` as in Attention.forward."""
         x_MH = self.embed_tokens(input_ids_M)
         for layer in self.layers:
             x_MH = layer(x_MH, positions_M, cu_seqlens, kv)
@@ -128,6 +142,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder and its LM head, holding this rank's shards of every weight; forward(input_ids (M,),
+    positions (M,), cu_seqlens (B + 1,)) -> logits (M, V)."""
+
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         cfg.check_tp(tp.world_size)

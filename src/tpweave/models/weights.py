@@ -56,6 +56,8 @@ def hf_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> full (unsharded) shape of every tensor of the model's checkpoint, FP8 scales
+    included (per output channel, or () for a static input scale)."""
     H, D = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     for i in range(cfg.num_layers):
@@ -150,6 +152,8 @@ Fetch = Callable[[Piece], torch.Tensor]
 
 
 def load_weights(model: nn.Module, cfg: ModelConfig, fetch: Fetch, *, rank: int, tp: int) -> None:
+    """Fill each of the model's parameters with this rank's slice, fetching the pieces param_sources names
+    (concatenated, or the largest for a merged input scale); ValueError when a shape does not match."""
     params = dict(model.named_parameters(remove_duplicate=False))
     sources = param_sources(cfg, rank=rank, tp=tp)
     for name, param in params.items():
@@ -201,6 +205,8 @@ def random_full_tensor(
 
 
 def random_fetch(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device) -> Fetch:
+    """A Fetch that slices the tensors of the random model `seed` (random_full_tensor)."""
+
     def fetch(piece: Piece) -> torch.Tensor:
         return _slice(random_full_tensor(cfg, piece.hf_name, seed=seed, dtype=dtype, device=device), piece).contiguous()
 
@@ -210,6 +216,7 @@ def random_fetch(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: tor
 def random_hf_state(
     cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
+    """Every full tensor of the random model `seed`, by HF name: a whole checkpoint's state dict."""
     return {
         name: random_full_tensor(cfg, name, seed=seed, dtype=dtype, device=torch.device(device))
         for name in full_shapes(cfg)
@@ -241,6 +248,9 @@ class SafetensorsFetch:
                 self.where[key] = f
 
     def __call__(self, piece: Piece) -> torch.Tensor:
+        """This piece of its tensor, read from the checkpoint onto the device in its in-memory dtype (hf_dtype);
+        scales are read whole (a per-tensor weight scale expanded to per channel). ValueError for a missing
+        tensor or a shape that config.json does not imply."""
         f = self.where.get(piece.hf_name)
         if f is None:
             raise ValueError(f"tensor {piece.hf_name!r} is missing from the checkpoint in {self.path}")

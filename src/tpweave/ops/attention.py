@@ -41,6 +41,8 @@ def _attention_cuda(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Ten
 
 @torch.library.custom_op("tpweave::attention", mutates_args=())
 def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """Causal attention within each sequence of the packed batch (module docstring: shapes); (M, H, D) in
+    q's dtype. Flash attention (varlen) on CUDA in fp16/bf16, a per-sequence reference otherwise."""
     if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16):
         return _attention_cuda(
             q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens.to(torch.int32), scale

@@ -18,12 +18,15 @@ _funcol = torch.ops._c10d_functional
 
 
 def all_reduce(x: Tensor, group_name: str | None) -> Tensor:
+    """Sum of x over the ranks of `group_name` (x itself when None: no communication)."""
     if group_name is None:
         return x
     return _funcol.wait_tensor(_funcol.all_reduce(x, "sum", group_name))
 
 
 def all_gather_dim0(x: Tensor, world_size: int, group_name: str | None) -> Tensor:
+    """x (N, *F) of every rank concatenated in rank order: (world_size * N, *F); x itself when group_name is
+    None."""
     if group_name is None:
         return x
     return _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), world_size, group_name))

@@ -23,6 +23,8 @@ BLOCK_N = 64  # context tokens per inner iteration
 
 
 def supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
+    """Whether the Triton decode kernel takes these inputs: CUDA, fp16/bf16 q and cache of the same dtype, a
+    head dim that is a power of 2 >= 16, at most 64 q heads per kv head (False without Triton)."""
     d = q_MHD.shape[-1]
     return (
         triton is not None

@@ -23,12 +23,14 @@ except ImportError:  # CPU-only installs: the reference is used
 
 
 def out_dtype(x: Tensor, weight: Tensor, weight_in_fp32: bool) -> torch.dtype:
+    """dtype of y: x's with weight_in_fp32, else the promotion of the weight's and x's."""
     return x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
 
 
 def add_rms_norm_reference(
     s: Tensor, residual: Tensor | None, weight: Tensor, *, eps: float, weight_in_fp32: bool, s2: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
+    """(y, h) of the module docstring in plain PyTorch ops: the reference the kernels round like."""
     s = s if s2 is None else s + s2
     h = s if residual is None else s + residual
     h32 = h.float()
@@ -38,6 +40,8 @@ def add_rms_norm_reference(
 
 
 def triton_supported(x: Tensor, weight: Tensor) -> bool:
+    """Whether the Triton kernel takes x and weight: CUDA, fp32/bf16/fp16, a (H,) weight, H <= 32768 (False
+    without Triton)."""
     return (
         triton is not None
         and x.is_cuda
@@ -49,10 +53,12 @@ def triton_supported(x: Tensor, weight: Tensor) -> bool:
 
 
 def block_h(hidden: int) -> int:
+    """Triton block width of one row of `hidden` elements: the next power of 2."""
     return triton.next_power_of_2(hidden)
 
 
 def num_warps_for(hidden: int) -> int:
+    """Warps per program of the norm kernels for rows of `hidden` elements."""
     return 4 if hidden <= 2048 else 8 if hidden <= 8192 else 16
 
 

@@ -19,10 +19,13 @@ class TPContext:
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> TPContext:
+        """Rank 0 of 1 on `device`, without a group: no communication."""
         return cls(rank=0, world_size=1, group_name=None, device=torch.device(device))
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> TPContext:
+        """This process's rank and size in `group` (default: the world group), on `device` (default:
+        default_device of its rank); ValueError when torch.distributed is not initialized."""
         if not dist.is_initialized():
             raise ValueError(
                 "torch.distributed is not initialized: call tpweave.init_distributed() or use tpweave.launch()"
@@ -36,6 +39,7 @@ class TPContext:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
+        """The process group named group_name, None without one."""
         if self.group_name is None:
             return None
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -44,6 +48,7 @@ class TPContext:
 
 
 def default_device(local_rank: int) -> torch.device:
+    """cuda:(local_rank mod the GPU count) when CUDA is available and the backend is not gloo, else the CPU."""
     backend = dist.get_backend() if dist.is_initialized() else None
     if torch.cuda.is_available() and backend != "gloo":
         return torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -29,6 +29,7 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 def pick_backend(num_procs: int) -> str:
+    """ "nccl" when there is a CUDA GPU for each of `num_procs` processes, else "gloo"."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= num_procs:
         return "nccl"
     return "gloo"
@@ -62,5 +63,6 @@ def init_distributed(*, backend: str | None = None, timeout_s: float | None = No
 
 
 def destroy_distributed() -> None:
+    """Leave the default process group, if this process joined one."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -32,6 +32,7 @@ class WorkerError(RuntimeError):
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -32,10 +32,14 @@ class SiteShape:
 
     @property
     def name(self) -> str:
+        """ "kind:KxN": the site's key in a table's policies."""
         return f"{self.kind}:{self.k}x{self.n}"
 
 
 def site_shapes(cfg: ModelConfig, tp: int) -> list[SiteShape]:
+    """The collective sites of the model under TP degree `tp`: gathers before the QKV, gate/up and LM-head
+    matmuls, reduce-scatters after o_proj and down_proj, the all-reduce with and without the norm
+    (scaled-matmul kinds for FP8 models)."""
     H, D = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D // tp
     # FP8 models: the decoder's linears are scaled matmuls (the LM head stays in the model dtype)
@@ -52,10 +56,13 @@ def site_shapes(cfg: ModelConfig, tp: int) -> list[SiteShape]:
 
 
 def device_name() -> str:
+    """The CUDA device's name, "cpu" without CUDA."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def table_key(cfg: ModelConfig, *, tp: int, dtype: torch.dtype, device: str | None = None) -> dict[str, Any]:
+    """What a table is valid for: table version, GPU name (default: this one), TP degree, dtype, torch
+    version and the model's site shape names."""
     return {
         "version": TABLE_VERSION,
         "device": device or device_name(),
@@ -68,15 +75,20 @@ def table_key(cfg: ModelConfig, *, tp: int, dtype: torch.dtype, device: str | No
 
 @dataclass
 class StrategyTable:
+    """Per site shape name the policy string that picks its strategy by M, and the M from which the SP graph
+    serves (sp_min_tokens); `key` (table_key) says what it was measured for."""
+
     key: dict[str, Any]
     policies: dict[str, str] = field(default_factory=dict)  # site shape name -> policy string
     sp_min_tokens: int = 512
     measurements: dict[str, Any] = field(default_factory=dict)  # raw medians, for the record
 
     def policy(self, kind: str, k: int, n: int, default: str = "sequential") -> str:
+        """The policy of the site (kind, k, n); `default` when the table has none for it."""
         return self.policies.get(SiteShape(kind, k, n).name, default)
 
     def to_json(self) -> str:
+        """The table as JSON text, measurements included: what from_json reads."""
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
@@ -105,15 +117,18 @@ class StrategyTable:
 
 
 def cache_dir() -> Path:
+    """Where tables are cached: $TPWEAVE_CACHE_DIR, else ~/.cache/tpweave."""
     return Path(os.environ.get("TPWEAVE_CACHE_DIR", Path.home() / ".cache" / "tpweave"))
 
 
 def table_path(key: dict[str, Any]) -> Path:
+    """Cache file of the table for `key`, named by device, TP degree, dtype and a hash of the whole key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "tables" / f"{key['device'].replace(' ', '_')}-tp{key['tp']}-{key['dtype']}-{digest}.json"
 
 
 def save_table(table: StrategyTable) -> Path:
+    """Write the table to its cache file (through a temporary file, so never half-written); the path."""
     path = table_path(table.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

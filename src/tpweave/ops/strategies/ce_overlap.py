@@ -133,12 +133,16 @@ def _ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, nee
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+    """AgMm as the copy-engine pipeline of the module docstring; each peer's GEMMs run on the caller's stream
+    once its rows arrived."""
     return _ag_mm(
         x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=False
     )
 
 
 def ag_mm_overlapped_gemms(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+    """ag_mm with the peers' GEMMs on a second compute stream, each free to start during the previous one's
+    tail."""
     return _ag_mm(
         x_local, weights, biases, token_sizes, group_name, world_size, need_gathered=need_gathered, overlap_gemms=True
     )
@@ -232,6 +236,8 @@ def _sum(own: Tensor, received: list[Tensor]) -> Tensor:
 
 
 def mm_rs(a, weight, group_name, world_size):
+    """MmRs as the copy-engine pipeline: the peers' rows are multiplied and pushed first, then the partial
+    sums the peers pushed here are added to this rank's own rows."""
     own, received = _produce_and_push(
         a.shape[0], weight.shape[1], a, lambda lo, hi: a[lo:hi] @ weight, group_name, world_size
     )
@@ -250,6 +256,7 @@ def mm_rs_rms_norm(a, weight, residual, norm_weight, eps, weight_in_fp32, group_
 
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    """ScaledMmRs through the same pipeline as mm_rs, each block of rows one scaled matmul in out_dtype."""
     like = a.new_empty(0, dtype=out_dtype)
 
     def matmul_rows(lo, hi):

@@ -40,19 +40,26 @@ class AgMm(Protocol):
         world_size: int,
         *,
         need_gathered: bool = True,
-    ) -> list[Tensor]: ...
+    ) -> list[Tensor]:
+        """x_local (ceil(N/TP), K): this rank's shard, N = prod(token_sizes); W_i (K, N_i), b_i (N_i,) or None.
+        With need_gathered=False nothing reads A, which may be left unwritten."""
+        ...
 
 
 class MmRs(Protocol):
     """(N, K) @ (K, H), reduce-scattered over tokens: this rank's (ceil(N/TP), H) rows of the sum."""
 
-    def __call__(self, a: Tensor, weight: Tensor, group_name: str, world_size: int) -> Tensor: ...
+    def __call__(self, a: Tensor, weight: Tensor, group_name: str, world_size: int) -> Tensor:
+        """a (N, K), weight (K, H) -> (ceil(N/TP), H)."""
+        ...
 
 
 class AllReduce(Protocol):
     """Sum over the ranks of the group."""
 
-    def __call__(self, x: Tensor, group_name: str, world_size: int) -> Tensor: ...
+    def __call__(self, x: Tensor, group_name: str, world_size: int) -> Tensor:
+        """x summed over the `world_size` ranks of `group_name`, in x's shape."""
+        ...
 
 
 class AgScaledMm(Protocol):
@@ -71,7 +78,10 @@ class AgScaledMm(Protocol):
         out_dtype,
         *,
         need_gathered: bool = True,
-    ) -> list[Tensor]: ...
+    ) -> list[Tensor]:
+        """x_local (ceil(N/TP), K) FP8 and x_scale_local (ceil(N/TP), 1); W_i (N_i, K) FP8, w_scale_i (N_i,);
+        the matmul outputs in out_dtype. need_gathered as in AgMm."""
+        ...
 
 
 class ScaledMmRs(Protocol):
@@ -79,7 +89,10 @@ class ScaledMmRs(Protocol):
 
     def __call__(
         self, a: Tensor, a_scale: Tensor, weight: Tensor, w_scale: Tensor, group_name: str, world_size: int, out_dtype
-    ) -> Tensor: ...
+    ) -> Tensor:
+        """a (N, K) FP8 with row scales a_scale (N, 1), weight (H, K) FP8 with w_scale (H,) -> (ceil(N/TP), H)
+        in out_dtype."""
+        ...
 
 
 class AllReduceRmsNorm(Protocol):
@@ -94,7 +107,10 @@ class AllReduceRmsNorm(Protocol):
         weight_in_fp32: bool,
         group_name: str,
         world_size: int,
-    ) -> tuple[Tensor, Tensor]: ...
+    ) -> tuple[Tensor, Tensor]:
+        """x (M, H) this rank's partial sum, residual (M, H) or None, weight (H,) -> y and h, both (M, H);
+        weight_in_fp32 as in ops/rms_norm.py."""
+        ...
 
 
 class MmRsRmsNorm(Protocol):
@@ -110,7 +126,10 @@ class MmRsRmsNorm(Protocol):
         weight_in_fp32: bool,
         group_name: str,
         world_size: int,
-    ) -> tuple[Tensor, Tensor]: ...
+    ) -> tuple[Tensor, Tensor]:
+        """a (N, K), weight (K, H), residual (ceil(N/TP), H) or None, norm_weight (H,) -> y and h, both
+        (ceil(N/TP), H)."""
+        ...
 
 
 def _always(x: Tensor) -> bool:

@@ -10,6 +10,7 @@ from tpweave.ops.strategies.contract import Strategy
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+    """AgMm: all_gather_tokens, then one matmul (addmm with a bias) per weight; A is always written."""
     a = torch.ops.tpweave.all_gather_tokens(x_local, token_sizes, group_name, world_size)
     a2 = a.reshape(-1, a.shape[-1])
     outs = [a2 @ w if b is None else torch.addmm(b, a2, w) for w, b in zip(weights, biases)]
@@ -17,6 +18,7 @@ def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need
 
 
 def mm_rs(a, weight, group_name, world_size):
+    """MmRs: the whole (N, H) product, then reduce_scatter_tokens."""
     return torch.ops.tpweave.reduce_scatter_tokens(a @ weight, 1, group_name, world_size)
 
 
@@ -33,6 +35,7 @@ def ag_scaled_mm(
     *,
     need_gathered=True,
 ):
+    """AgScaledMm: gather the FP8 rows and their scales, then one scaled matmul per weight."""
     gather = torch.ops.tpweave.all_gather_tokens
     a, a_scale = (gather(t, token_sizes, group_name, world_size) for t in (x_local, x_scale_local))
     a2, s2 = a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, 1)
@@ -41,11 +44,13 @@ def ag_scaled_mm(
 
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    """ScaledMmRs: the whole scaled matmul in out_dtype, then reduce_scatter_tokens."""
     y = torch.ops.tpweave.scaled_mm(a, weight, a_scale, w_scale, None, out_dtype)
     return torch.ops.tpweave.reduce_scatter_tokens(y, 1, group_name, world_size)
 
 
 def all_reduce(x, group_name, world_size):
+    """AllReduce through the process group's backend (a functional all-reduce)."""
     return funcol_all_reduce(x, group_name)
 
 

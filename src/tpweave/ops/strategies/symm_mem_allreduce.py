@@ -21,10 +21,14 @@ def _available(x: torch.Tensor) -> bool:
 
 
 def one_shot(x, group_name, world_size):
+    """AllReduce: x staged into the group's symmetric buffer, then torch's one-shot kernel (every rank reads
+    every peer's whole buffer)."""
     return torch.ops.symm_mem.one_shot_all_reduce(symm_buffers.staged(x.contiguous(), group_name), "sum", group_name)
 
 
 def two_shot(x, group_name, world_size):
+    """AllReduce: x staged into the group's symmetric buffer, then torch's two-shot kernel (each rank reduces
+    1/TP, then gathers); for a single rank, a copy of x."""
     if world_size == 1:  # torch's two-shot kernel refuses one rank; the sum is the input
         return x.clone()
     staged = symm_buffers.staged(x.contiguous(), group_name)

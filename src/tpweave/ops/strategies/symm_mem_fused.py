@@ -33,6 +33,7 @@ def _available(x: torch.Tensor) -> bool:
 
 
 def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need_gathered=True):
+    """AgMm by torch's fused_all_gather_matmul; the biases are added to its outputs."""
     _enable(group_name)
     num_tokens = math.prod(token_sizes)
     a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
@@ -44,6 +45,7 @@ def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need
 
 
 def mm_rs(a, weight, group_name, world_size):
+    """MmRs by torch's fused_matmul_reduce_scatter, rows zero-padded to a multiple of TP."""
     _enable(group_name)
     pad = (-a.shape[0]) % world_size
     if pad:
@@ -90,6 +92,8 @@ def ag_scaled_mm(
 
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
+    """ScaledMmRs by torch's fused_scaled_matmul_reduce_scatter (padding rows get scale 1); shards whose
+    ceil(N/TP) rows are not a multiple of FP8_ROW_ALIGN take the sequential path."""
     if -(-a.shape[0] // world_size) % FP8_ROW_ALIGN:
         return sequential.scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     _enable(group_name)
