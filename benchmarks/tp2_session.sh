@@ -26,31 +26,31 @@ step() {
         tests)
             # the emulated-rank tests (one GPU is enough for them) would not leave time for the probe
             python -m pytest -q -m gpu tests/test_gpu_ops.py -k "not emulated" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
-            python benchmarks/probes/padding_probe.py --out "$dir/padding_probe.json" 2>&1 | tee "$dir/padding_probe.log" | tail -5 ;;
+            python benchmarks/probes/padding_probe.py --output-dir "$dir/padding_probe.json" 2>&1 | tee "$dir/padding_probe.log" | tail -5 ;;
         calibrate8b | calibrate70b)
             local model=llama3-${name#calibrate}
-            echo "tpweave calibrate --model $model --tp 2 --tokens $DECODE_TOKENS --reps 3 --inner 3" >> "$dir/commands.txt"
-            tpw calibrate --model "$model" --tp 2 --tokens "$DECODE_TOKENS" --reps 3 --inner 3 2>&1 | tee "$dir/calibrate.log" | tail -5
+            echo "tpweave calibrate --model $model -tp 2 --num-tokens $DECODE_TOKENS --num-iters 3 --inner 3" >> "$dir/commands.txt"
+            tpw calibrate --model "$model" -tp 2 --num-tokens "$DECODE_TOKENS" --num-iters 3 --inner 3 2>&1 | tee "$dir/calibrate.log" | tail -5
             cp -r "$TPWEAVE_CACHE_DIR" "$dir/cache" ;;
         layer8b | layer70b)
             local model=llama3-${name#layer}
-            echo "tpweave bench layer --model $model --tp 2 --tokens $DECODE_TOKENS --reps 5 --inner 3" >> "$dir/commands.txt"
-            tpw bench layer --model "$model" --tp 2 --tokens "$DECODE_TOKENS" --reps 5 --inner 3 --out "$dir" 2>&1 | tee "$dir/layer.log" | tail -5 ;;
+            echo "tpweave bench layer --model $model -tp 2 --num-tokens $DECODE_TOKENS --num-iters 5 --inner 3" >> "$dir/commands.txt"
+            tpw bench layer --model "$model" -tp 2 --num-tokens "$DECODE_TOKENS" --num-iters 5 --inner 3 --output-dir "$dir" --overwrite 2>&1 | tee "$dir/layer.log" | tail -5 ;;
         latency8b)
-            local args=(--model llama3-8b --tp 2 --layers 8 --decode 1x1024,8x1024,32x1024,64x1024,128x1024 --prefill 1x2048,1x8192 --reps 5 --inner 3)
+            local args=(--model llama3-8b -tp 2 --num-layers 8 --decode 1x1024,8x1024,32x1024,64x1024,128x1024 --prefill 1x2048,1x8192 --num-iters 5 --inner 3)
             echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
-            tpw bench latency "${args[@]}" --out "$dir" 2>&1 | tee "$dir/latency.log" | tail -5 ;;
+            tpw bench latency "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/latency.log" | tail -5 ;;
         serve8b)
-            local args=(--model llama3-8b --tp 2 --arms baseline,auto --workload prefill-heavy --rates inf --num-requests 16
+            local args=(--model llama3-8b -tp 2 --arms baseline,auto --workload prefill-heavy --request-rate inf --num-prompts 16
                         --max-num-seqs 64 --max-num-batched-tokens 8192 --max-model-len 8192)
             echo "tpweave bench serve ${args[*]}" >> "$dir/commands.txt"
-            tpw bench serve "${args[@]}" --out "$dir" 2>&1 | tee "$dir/serve.log" | tail -5 ;;
+            tpw bench serve "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/serve.log" | tail -5 ;;
         fp8)
-            echo "tpweave calibrate --model llama3-8b-fp8 --tp 2 --tokens $DECODE_TOKENS --reps 3 --inner 3" >> "$dir/commands.txt"
-            tpw calibrate --model llama3-8b-fp8 --tp 2 --tokens "$DECODE_TOKENS" --reps 3 --inner 3 2>&1 | tee "$dir/calibrate.log" | tail -3
-            local args=(--model llama3-8b-fp8 --tp 2 --layers 8 --prefill 1x2048,1x8192 --decode 1x1024,64x1024 --reps 5 --inner 3)
+            echo "tpweave calibrate --model llama3-8b-fp8 -tp 2 --num-tokens $DECODE_TOKENS --num-iters 3 --inner 3" >> "$dir/commands.txt"
+            tpw calibrate --model llama3-8b-fp8 -tp 2 --num-tokens "$DECODE_TOKENS" --num-iters 3 --inner 3 2>&1 | tee "$dir/calibrate.log" | tail -3
+            local args=(--model llama3-8b-fp8 -tp 2 --num-layers 8 --prefill 1x2048,1x8192 --decode 1x1024,64x1024 --num-iters 5 --inner 3)
             echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
-            tpw bench latency "${args[@]}" --out "$dir" 2>&1 | tee "$dir/latency.log" | tail -5 ;;
+            tpw bench latency "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/latency.log" | tail -5 ;;
         *) echo "unknown step $name" >&2; exit 2 ;;
     esac
     mkdir -p "$OUT"

@@ -18,7 +18,7 @@ def test_latency_cli_rows_and_report(tmp_path, capsys):
                 "latency",
                 "--model",
                 "tiny",
-                "--tp",
+                "-tp",
                 "2",
                 "--dtype",
                 "float32",
@@ -26,13 +26,13 @@ def test_latency_cli_rows_and_report(tmp_path, capsys):
                 "2x37",
                 "--decode",
                 "3x20",
-                "--reps",
+                "--num-iters",
                 "2",
-                "--warmup",
+                "--num-iters-warmup",
                 "1",
                 "--inner",
                 "1",
-                "--out",
+                "--output-dir",
                 str(tmp_path),
             ]
         )
@@ -48,7 +48,7 @@ def test_latency_cli_rows_and_report(tmp_path, capsys):
         assert r["tokens"] == (74 if r["what"] == "prefill" else 3)
     assert data["meta"]["kind"] == "latency" and data["meta"]["layers"] == 2
     assert (tmp_path / "latency-tiny-tp2-float32-prefill.png").exists()
-    assert main(["report", str(tmp_path / "latency-tiny-tp2-float32.json"), "--out", str(tmp_path)]) == 0
+    assert main(["report", str(tmp_path / "latency-tiny-tp2-float32.json"), "--output-dir", str(tmp_path)]) == 0
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Prefill (time to first token)" in report and "## Decode (time per output token)" in report
 
@@ -63,13 +63,13 @@ def test_serve_cli_accounts_for_every_request(tmp_path, capsys):
                 "serve",
                 "--model",
                 "tiny",
-                "--tp",
+                "-tp",
                 "2",
                 "--dtype",
                 "float32",
-                "--requests-file",
+                "--dataset-path",
                 str(requests),
-                "--rates",
+                "--request-rate",
                 "50",
                 "--max-num-seqs",
                 "4",
@@ -79,7 +79,7 @@ def test_serve_cli_accounts_for_every_request(tmp_path, capsys):
                 "128",
                 "--block-size",
                 "4",
-                "--out",
+                "--output-dir",
                 str(tmp_path),
             ]
         )

@@ -420,6 +420,24 @@ def test_hf_model_with_its_own_tp_plan(arch, tmp_path):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_hf_generate_runs_tpweave_graphs_for_prefill_and_decode(tmp_path):
+    """model.forward = tpweave.compile(model.forward) on an HF Llama sharded by its own tp_plan:
+    model.generate (prefill + decode through HF's KV cache) gives the unsharded model's greedy tokens,
+    and the prefill graph is sequence-parallel (its all-reduces became ag_mm / mm_rs)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    prompts = [[5, 17, 42, 7, 99, 3, 11], [8, 1, 64]]
+    for rank_out in tpweave.launch(
+        workers.hf_generate_with_compiled_forward, str(tmp_path / "llama"), prompts, 6, nprocs=2, timeout_s=900
+    ):
+        for got, want in rank_out["tokens"]:
+            assert got == want and len(got) > 6, rank_out["report"]
+        sp_graphs = [after for variant, before, after in rank_out["graphs"] if before.get("all_reduce")]
+        assert sp_graphs and all("all_reduce" not in after for after in sp_graphs), rank_out["report"]
+        assert any(after.get("ag_mm") and after.get("mm_rs") for after in sp_graphs), rank_out["report"]
+        assert not any("failed" in n for n in rank_out["notes"]), rank_out["report"]
+
+
 def test_size_one_token_dims_get_a_graph_of_their_own(tmp_path):
     """seq = 1 after a graph for seq >= 2 (decode after prefill), then batch = seq = 1. Dynamo's
     size-oblivious mode would run these on the seq >= 2 graph, and Inductor then computes wrong logits

@@ -78,8 +78,12 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     save_hf_checkpoint(tmp_path / "bad", cfg, bad)
     with pytest.raises(ValueError, match=r"model.norm.weight.*shape \(385,\)"):
         build_model(str(tmp_path / "bad"), tp=tpweave.TPContext.single(), dtype=torch.float32)
-    with pytest.raises(ValueError, match="no config.json|unknown model preset"):
+    with pytest.raises(ValueError, match="no config.json|no such directory"):
         build_model(str(tmp_path / "nothing-here"), tp=tpweave.TPContext.single())
+    (tmp_path / "not-json").mkdir()
+    (tmp_path / "not-json" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"not-json/config.json: not a readable JSON file"):
+        build_model(str(tmp_path / "not-json"), tp=tpweave.TPContext.single())
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "config.json").write_text((tmp_path / "bad" / "config.json").read_text())
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
@@ -93,7 +97,7 @@ def test_tp_not_dividing_heads():
     ctx = tpweave.TPContext(rank=0, world_size=5, group_name=None, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"TP=5 does not divide num_heads=48, num_kv_heads=24"):
         build_model("tiny", tp=ctx)
-    with pytest.raises(ValueError, match="unknown model preset"):
+    with pytest.raises(ValueError, match="is neither a model preset .* nor an HF-format model directory"):
         build_model("llama9-1t", tp=tpweave.TPContext.single())
 
 

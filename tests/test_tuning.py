@@ -83,6 +83,14 @@ def test_table_cache_roundtrip_corrupt_and_stale(tmp_path, monkeypatch, caplog):
     stale = dict(key, torch="1.0.0")
     table_path(key).write_text(StrategyTable(key=stale).to_json())
     assert load_table(key) is None and "is stale" in caplog.text
+    for bad_policy, why in (("sequential@zero", "malformed strategy policy"), ("warp_drive@0", "unknown strategy")):
+        caplog.clear()
+        path.write_text(StrategyTable(key=key, policies={"ag_mm:384x384": bad_policy}).to_json())
+        assert load_table(key) is None, bad_policy
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0].getMessage() and why in warnings[0].getMessage()
+    with pytest.raises(ValueError, match="table: site ag_mm:384x384: unknown strategy 'warp_drive'"):
+        tpweave.compiler.CompileOptions(table=StrategyTable(key=key, policies={"ag_mm:384x384": "warp_drive@0"}))
 
 
 def test_site_shapes_of_llama3_8b():
@@ -139,25 +147,25 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     common = [
         "--model",
         "tiny",
-        "--tp",
+        "-tp",
         "2",
         "--dtype",
         "float32",
-        "--layers",
+        "--num-layers",
         "1",
-        "--reps",
+        "--num-iters",
         "2",
         "--inner",
         "1",
-        "--warmup",
+        "--num-iters-warmup",
         "1",
     ]
-    assert cli_main(["calibrate", *common, "--tokens", "3,32"]) == 0
+    assert cli_main(["calibrate", *common, "--num-tokens", "3,32"]) == 0
     table = load_table(table_key(get_preset("tiny"), tp=2, dtype=torch.float32))
     assert table is not None and set(table.policies) == {s.name for s in site_shapes(get_preset("tiny"), 2)}
     assert table.measurements["ops"] and table.measurements["layers"]
     assert table.sp_min_tokens in (3, 32, NEVER)
-    assert cli_main(["bench", "layer", *common, "--tokens", "5,17", "--out", str(tmp_path / "out")]) == 0
+    assert cli_main(["bench", "layer", *common, "--num-tokens", "5,17", "--output-dir", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "layer-tiny-tp2-float32.json").read_text())
     assert result["meta"]["calibrated"] is True and result["meta"]["tp"] == 2
     layer_rows = [r for r in result["rows"] if r["what"] == "layer"]
@@ -173,12 +181,12 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_rejects_bad_arguments(capsys):
-    assert cli_main(["bench", "layer", "--model", "tiny", "--tp", "5"]) == 2
+    assert cli_main(["bench", "layer", "--model", "tiny", "-tp", "5"]) == 2
     assert "TP=5 does not divide" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli_main(["bench", "layer", "--tokens", "0,4"])
+        cli_main(["bench", "layer", "--num-tokens", "0,4"])
     assert cli_main(["bench", "latency", "--model", "tiny", "--prefill", "1x5000", "--decode", "1x64"]) == 2
-    assert "lengths [(1, 5000)] exceed the model's 4096 positions" in capsys.readouterr().err
+    assert "lengths 1x5000 exceed the model's 4096 positions" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["bench", "latency", "--prefill", "2x"])
     assert cli_main(["bench", "serve", "--model", "tiny", "--arms", "fast"]) == 2

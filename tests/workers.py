@@ -842,3 +842,36 @@ def hf_tp_plan_outputs(ctx, arch, shapes, path):
     want = [unsharded(input_ids=ids).logits for ids in inputs]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
     return _compiled_hf_logits(model, inputs, want)
+
+
+@torch.no_grad()
+def hf_generate_with_compiled_forward(ctx, path, prompts, max_new_tokens):
+    """HF `generate` (prefill + decode with HF's KV cache) of a tiny Llama loaded with tp_plan="auto", its
+    forward replaced by tpweave.compile(model.forward): greedy tokens of the unsharded and of the
+    compiled TP model, and the compile report's graphs."""
+    import torch.distributed as dist
+    import transformers
+
+    import tpweave
+
+    if ctx.rank == 0:
+        config = transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    dist.barrier()
+    unsharded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    model.forward = tpweave.compile(model.forward, sp_min_tokens=0, strict=True)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": 0}
+        want = unsharded.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0].tolist()
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0].tolist()
+        out.append((got, want))
+    report = tpweave.report(model.forward)
+    graphs = [(g.variant, g.counts_before, g.counts_after) for g in report.graphs]
+    return {"tokens": out, "graphs": graphs, "notes": list(report.notes), "report": str(report)}

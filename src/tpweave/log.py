@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 
 logger = logging.getLogger("tpweave")
 
@@ -22,3 +24,30 @@ def configure_from_env() -> None:
     handler.setFormatter(logging.Formatter("[tpweave %(levelname)s] %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
+
+
+# Stage messages of long operations (compiling a graph, capturing CUDA graphs, generating): silent in a
+# library, shown by the command line (`enable_progress`) on rank 0.
+progress_logger = logging.getLogger("tpweave.progress")
+
+
+def progress(msg: str, *args: object) -> None:
+    """Report a stage of a long operation (printed only where `enable_progress` was called)."""
+    progress_logger.info(msg, *args)
+
+
+def enable_progress() -> None:
+    """Print progress messages to stderr with the seconds since this call."""
+    if progress_logger.handlers:
+        return
+    start = time.monotonic()
+
+    class _Elapsed(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"[tpweave {time.monotonic() - start:6.1f}s] {record.getMessage()}"
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Elapsed())
+    progress_logger.addHandler(handler)
+    progress_logger.setLevel(logging.INFO)
+    progress_logger.propagate = False

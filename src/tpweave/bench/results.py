@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,25 +13,17 @@ import torch
 
 
 def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Device, GPU count, torch version, commit ($TPWEAVE_COMMIT, else git's HEAD), command line and UTC date
-    of this run, merged with `extra`."""
-    import os
+    """Device, GPU count, torch version, the code (tpweave's commit and dirty flag, or its version and a
+    hash of its sources: bench/provenance.py), command line and UTC date of this run, merged with `extra`."""
+    from tpweave.bench.provenance import code_version
 
-    commit = os.environ.get("TPWEAVE_COMMIT", "")  # set where the tree has no .git (the GPU box's copy)
-    try:
-        commit = (
-            commit
-            or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.SubprocessError):
-        pass
+    code = code_version()
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "torch": torch.__version__,
-        "commit": commit or "unknown",
+        "commit": code["commit"] or f"none (sources sha256:{code['source_hash']})",
+        "code": code,
         "command": " ".join(shlex.quote(a) for a in ["tpweave", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **(extra or {}),
@@ -137,6 +128,8 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
         *[f"| {k} | `{v}` |" for k, v in meta.items() if k != "kernels"],
         "",
     ]
+    if meta.get("failures"):
+        parts += [f"**Failures:** {meta['failures']}", ""]
     for kind, section, columns, plot in SECTIONS:
         kind_rows = [r for r in rows if r.get("what") == kind]
         if not kind_rows:
@@ -175,9 +168,17 @@ def write_results(
 
 
 def load_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(metadata, rows) of a JSON file written by write_results; ValueError if it cannot be read as one."""
+    """(metadata, rows) of a JSON file written by write_results; ValueError naming the file and what is
+    wrong when it is not one (unreadable, no meta/rows, rows of no benchmark kind)."""
     try:
         data = json.loads(Path(path).read_text())
-        return data["meta"], data["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a tpweave results file ({type(e).__name__}: {e})") from e
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path}: not a tpweave results file (expected an object with 'meta' and 'rows')")
+    kinds = {kind for kind, *_ in SECTIONS}
+    if not data["rows"] or not all(isinstance(r, dict) and r.get("what") in kinds for r in data["rows"]):
+        raise ValueError(
+            f"{path}: not a tpweave results file (rows must be benchmark rows: {', '.join(sorted(kinds))})"
+        )
+    return data["meta"], data["rows"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -23,20 +24,29 @@ def compile(
     options: CompileOptions | None = None,
     **overrides: Any,
 ) -> CompiledTP:
-    """Compile a TP module with sequence parallelism and async TP: one graph per variant serves every M
-    >= 2. `options` (default CompileOptions()) with `overrides` (option name -> value) applied; `group`:
-    the TP process group (default: the world). See docs/user_guide.md."""
+    """Compile a TP module (or its bound forward: `model.forward = tpweave.compile(model.forward)` keeps
+    HF's `model.generate` working) with sequence parallelism and async TP: one graph per variant serves
+    every M >= 2. `options` (default CompileOptions()) with `overrides` (option name -> value) applied;
+    `group`: the TP process group (default: the world). See docs/user_guide.md."""
     configure_from_env()
     options = (options or CompileOptions()).replace(overrides)
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"tpweave.compile takes an nn.Module, got {type(module).__name__}")
+    owner = _owner(module)
     tp = TPGroup.of(group)
-    the_plan = plan(options, tp, module)
+    the_plan = plan(options, tp, owner)
     _check_ranks_agree(the_plan, tp)
     report = the_plan.new_report()
     backends = {name: TPBackend(variant=name, tp=tp, plan=the_plan, report=report) for name in the_plan.variants}
     variants = {name: torch.compile(module, backend=backend, dynamic=None) for name, backend in backends.items()}
-    return CompiledTP(module, variants, the_plan, report, options.num_tokens_fn or default_num_tokens)
+    return CompiledTP(owner, variants, the_plan, report, options.num_tokens_fn or default_num_tokens, eager=module)
+
+
+def _owner(module: Any) -> torch.nn.Module:
+    """The nn.Module being compiled: `module` itself, or the module of a bound method (model.forward)."""
+    if isinstance(module, torch.nn.Module):
+        return module
+    if inspect.ismethod(module) and isinstance(module.__self__, torch.nn.Module):
+        return module.__self__
+    raise TypeError(f"tpweave.compile takes an nn.Module or a bound method of one (model.forward), got {module!r}")
 
 
 def _check_ranks_agree(the_plan: CompilePlan, tp: TPGroup) -> None:

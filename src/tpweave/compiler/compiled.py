@@ -20,6 +20,8 @@ from tpweave.compiler.tp_pass import PassFailure, describe
 from tpweave.log import logger
 from tpweave.ops.strategies import chosen_name
 
+TOKEN_KWARGS = ("input_ids", "inputs_embeds")  # HF's names of the token inputs
+
 
 def default_num_tokens(args: tuple) -> int:
     """M: elements of the first integer tensor argument (token ids), else rows of the first tensor.
@@ -84,7 +86,12 @@ class CompiledTP:
     plan: CompilePlan
     compile_report: CompileReport
     num_tokens_fn: Callable[[tuple], int] = field(default=lambda args: default_num_tokens(args))
+    eager: Callable | None = None  # what runs when Dynamo cannot trace: the module or its bound method
     calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "plain": 0})
+
+    def __post_init__(self) -> None:
+        if self.eager is None:
+            self.eager = self.module
 
     @property
     def sp_min_tokens(self) -> int:
@@ -110,8 +117,10 @@ class CompiledTP:
         """Run the graph variant for the call's M (ValueError when M < 1). Where Dynamo cannot trace the forward
         that variant runs the module eagerly from then on (unless the plan is strict and a pass failed, which
         raises), and what Dynamo did that the passes cannot see is logged and noted in the report."""
-        # keyword arguments (HF style: model(input_ids=..., attention_mask=...)) after the positional ones
-        inputs = args + tuple(kwargs.values())
+        # keyword arguments (HF style: model(input_ids=..., attention_mask=...)) after the positional ones,
+        # the token ids (or embeddings) first: M is read from them
+        first = [kwargs[k] for k in TOKEN_KWARGS if kwargs.get(k) is not None]
+        inputs = args + tuple(first) + tuple(v for k, v in kwargs.items() if k not in TOKEN_KWARGS)
         num_tokens = self.num_tokens_fn(inputs)
         if num_tokens < 1:
             raise ValueError(f"empty batch: {num_tokens} tokens")
@@ -131,8 +140,8 @@ class CompiledTP:
                     f"[{variant}] torch.compile failed to trace this model ({describe(e)}): it runs eagerly, "
                     "without tpweave's passes"
                 )
-                self.variants[variant] = self.module
-                out = self.module(*args, **kwargs)
+                self.variants[variant] = self.eager
+                out = self.eager(*args, **kwargs)
         compiled_now = self.compile_report.num_compiles - num_compiles_before
         for function in watch.functions:
             self._note(
@@ -143,7 +152,7 @@ class CompiledTP:
             )
             if function not in self.compile_report.recompile_limit_hit_in:
                 self.compile_report.recompile_limit_hit_in.append(function)
-        if self.calls[variant] == 1 and self.variants[variant] is not self.module:
+        if self.calls[variant] == 1 and self.variants[variant] is not self.eager:
             if (
                 not any(g.variant == variant for g in self.compile_report.graphs)
                 and not self.compile_report.recompile_limit_hit_in

@@ -62,6 +62,11 @@ class CompileOptions:
             raise ValueError(f"sp_min_tokens must be >= 0 (an integer, or None), got {self.sp_min_tokens!r}")
         if not (self.table is None or self.table == "auto" or isinstance(self.table, StrategyTable)):
             raise ValueError(f"table must be a StrategyTable, None or 'auto', got {self.table!r}")
+        for site, policy in self.table.policies.items() if isinstance(self.table, StrategyTable) else ():
+            try:
+                check_policy(policy)
+            except ValueError as e:
+                raise ValueError(f"table: site {site}: {e}") from None
         for name in ("ag_mm_policy", "mm_rs_policy", "all_reduce_policy", "all_reduce_rms_norm_policy"):
             policy = getattr(self, name)
             if policy is not None:

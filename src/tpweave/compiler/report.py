@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -75,10 +76,30 @@ class CompileReport:
     notes: list[str] = field(default_factory=list)  # about the whole model, e.g. nothing was compiled
     recompile_limit_hit_in: list[str] = field(default_factory=list)  # functions Dynamo stopped compiling
 
-    def __str__(self) -> str:
+    def headline(self) -> str:
+        """'tpweave report: N graph(s) compiled; ...which graph serves which M; calibration table: ...'."""
         head = f"tpweave report: {self.num_compiles} graph(s) compiled"
-        if self.sp_min_tokens is not None:
+        if self.sp_min_tokens == 0:
+            head += "; the sequence-parallel graph serves every M"
+        elif self.sp_min_tokens is not None:
             head += f"; sequence-parallel graph for M >= {self.sp_min_tokens}, plain TP graph below"
         if self.table:
             head += f"\ncalibration table: {self.table}"
-        return "\n".join([head, *(f"note: {n}" for n in self.notes), *(str(g) for g in self.graphs)])
+        return head
+
+    def summary(self) -> str:
+        """A few lines: per compiled graph, how many sites of each kind became what (with the reasons of
+        those left alone), then the notes."""
+        lines = [self.headline()]
+        for i, g in enumerate(self.graphs, 1):
+            counts = Counter((s.kind, s.action) for s in g.sites)
+            done = ", ".join(f"{n} {kind} {action}" for (kind, action), n in sorted(counts.items()))
+            lines.append(f"graph {i} [{g.variant}]: {done or 'no collective site'}")
+            reasons = Counter(f"{s.kind}: {s.reason}" for s in g.sites if s.action == "left alone")
+            lines += [f"  left alone x{n}: {why}" for why, n in sorted(reasons.items())]
+            lines += [f"  note: {n}" for n in g.notes]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return "\n".join([self.headline(), *(f"note: {n}" for n in self.notes), *(str(g) for g in self.graphs)])

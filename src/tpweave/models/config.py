@@ -141,7 +141,13 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"{path} is not an HF-format model directory: no config.json")
-        return cls.from_hf(json.loads(cfg_path.read_text()), name=Path(path).name)
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cfg_path}: not a readable JSON file ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_hf(raw, name=Path(path).name)
 
 
 _LLAMA3_ROPE = {
@@ -173,6 +179,9 @@ for _name in [n for n, c in PRESETS.items() if c is None]:
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
     """The preset `name` with `overrides` (ModelConfig fields) applied; ValueError for an unknown name."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        hint = " (a path: no such directory)" if "/" in name or name.startswith(".") else ""
+        raise ValueError(
+            f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor an HF-format model directory{hint}"
+        )
     cfg = PRESETS[name]
     return cfg.replace(**overrides) if overrides else cfg

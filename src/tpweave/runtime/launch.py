@@ -12,6 +12,7 @@ import io
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -24,11 +25,17 @@ from tpweave.runtime.groups import SAFE_ENV, pick_backend
 
 
 class WorkerError(RuntimeError):
-    """A rank raised; the message carries that rank's traceback."""
+    """A rank raised; the message carries that rank's traceback (and one line per other failed rank)."""
 
     def __init__(self, rank: int, message: str):
         super().__init__(f"rank {rank} failed:\n{message}")
-        self.rank = rank
+        self.rank, self.details = rank, message
+
+    @property
+    def summary(self) -> str:
+        """The failing rank's own last line: `ValueError: ...`, or how its process ended."""
+        own = self.details.split("\nrank ", 1)[0].strip().splitlines()
+        return own[-1] if own else "no message"
 
 
 def free_port() -> int:
@@ -84,6 +91,18 @@ def _worker(
         pass
 
 
+def _guard_hint() -> str:
+    """A hint when the launching script has no main guard (its ranks re-run it on import and die)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        source = open(path).read() if path else ""
+    except OSError:
+        return ""
+    if source and "__main__" not in source:
+        return f' ({path} has no `if __name__ == "__main__":` guard around tpweave.launch: each rank imports it)'
+    return ""
+
+
 def _drain(results, outputs: dict[int, Any]) -> dict[int, str]:
     failures: dict[int, str] = {}
     while not results.empty():
@@ -107,6 +126,11 @@ def launch(
     """Run fn(ctx, *args, **kwargs) on `nprocs` local ranks and return the per-rank results."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if getattr(sys.modules.get("__main__"), "__name__", "") == "__mp_main__":
+        raise RuntimeError(
+            "tpweave.launch was called while a spawned rank imported your script: put the call under "
+            '`if __name__ == "__main__":` (each rank imports the script to find its function)'
+        )
     backend = backend or pick_backend(nprocs)
     spawn = mp.get_context("spawn")
     results = spawn.SimpleQueue()
@@ -132,7 +156,8 @@ def launch(
                 failures |= _drain(results, outputs)
                 silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and not p.is_alive()]
                 failures |= {
-                    r: f"process exited with code {procs[r].exitcode} without reporting a result" for r in silent
+                    r: f"process exited with code {procs[r].exitcode} without reporting a result{_guard_hint()}"
+                    for r in silent
                 }
                 # A rank that died silently is the cause; the peers' errors are its consequence.
                 root = silent[0] if silent else next(iter(failures))  # first reported

@@ -1,0 +1,55 @@
+"""Which code produced a result, found by the tool: tpweave's own git commit and whether its tree
+differs from it, or (installed without a checkout) the package version and a hash of its sources."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import tpweave.log
+
+PACKAGE_DIR = Path(tpweave.log.__file__).resolve().parent
+
+
+def source_hash(root: Path = PACKAGE_DIR) -> str:
+    """sha256 over tpweave's Python sources (path and content of every .py file, in path order), 16 hex digits."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(PACKAGE_DIR), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_version() -> dict[str, Any]:
+    """{"commit", "dirty", "source_hash", "version"}: commit is tpweave's own checkout's HEAD (None when
+    tpweave is not in a git checkout); dirty says whether its sources differ from that commit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pkg_version = version("tpweave")
+    except PackageNotFoundError:
+        pkg_version = "unknown"
+    commit = _git("rev-parse", "HEAD")
+    dirty = None
+    if commit is not None:
+        top = _git("rev-parse", "--show-toplevel")
+        status = _git("status", "--porcelain", "--", str(PACKAGE_DIR)) if top else None
+        dirty = bool(status) if status is not None else None
+    return {"commit": commit, "dirty": dirty, "source_hash": source_hash(), "version": pkg_version}
+
+
+def describe(code: dict[str, Any]) -> str:
+    """One line: 'commit abc1234 (+ uncommitted changes)' or 'tpweave 0.1.0, sources sha256:...'."""
+    if code.get("commit"):
+        return f"commit {code['commit'][:10]}" + (" + uncommitted changes" if code.get("dirty") else "")
+    return f"tpweave {code.get('version')}, sources sha256:{code.get('source_hash')}"

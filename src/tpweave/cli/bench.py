@@ -1,0 +1,239 @@
+"""`tpweave calibrate` and `tpweave bench layer | latency | serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tpweave.cli.common import cached_table, model_config, rank_options
+from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
+from tpweave.cli.output import results_dir
+from tpweave.cli.ranks import run_ranks
+from tpweave.models.config import DTYPES
+
+
+def _settings(args: argparse.Namespace):
+    from tpweave.bench.layer import BenchSettings
+
+    return BenchSettings(reps=args.num_iters, warmup=args.num_iters_warmup, inner=args.inner)
+
+
+def _out(args: argparse.Namespace, default_name: str) -> tuple[Path, str]:
+    name = args.name or default_name
+    files = [f"{name}.json", f"{name}.md"]
+    return results_dir(args.output_dir, name, files=files, overwrite=args.overwrite), name
+
+
+def calibrate_worker(ctx, model, dtype_name, grid, settings, num_layers):
+    """Measure on every rank; rank 0 saves the table. (table JSON, path)."""
+    from tpweave.bench.calibrate import calibrate
+    from tpweave.tuning.table import save_table
+
+    table = calibrate(ctx, model, dtype_name=dtype_name, grid=grid, settings=settings, num_layers=num_layers)
+    path = save_table(table) if ctx.rank == 0 else None
+    return table.to_json(), str(path)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure, save the strategy table to the cache and print its policies."""
+    from tpweave.tuning.table import StrategyTable
+
+    model_config(args)
+    opts = rank_options(args)
+    worker_args = (args.model, args.dtype, args.num_tokens, _settings(args), args.num_layers)
+    table_json, path = run_ranks(calibrate_worker, *worker_args, opts=opts)[0]
+    table = StrategyTable.from_json(table_json)
+    print(f"calibration table written to {path}")
+    for site, policy in sorted(table.policies.items()):
+        print(f"  {site:<24} {policy}")
+    print(f"  sequence-parallel graph from M >= {table.sp_min_tokens}")
+    return EXIT_OK
+
+
+def bench_layer_worker(ctx, model, dtype_name, tokens, settings, num_layers, with_ops):
+    """(layer rows [+ op rows], whether a calibration table was used)."""
+    from tpweave.bench.layer import bench_layers, bench_ops
+
+    table = cached_table(model, ctx.world_size, dtype_name)
+    rows = bench_layers(
+        ctx, model, tokens, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table
+    )
+    if with_ops:
+        rows += bench_ops(ctx, model, tokens, dtype_name=dtype_name, settings=settings)
+    return rows, table is not None
+
+
+def cmd_bench_layer(args: argparse.Namespace) -> int:
+    """Time layers (and ops unless --no-ops) per arm, print the layer table, write the results."""
+    from tpweave.bench.results import LAYER_COLUMNS, markdown_table, run_metadata, write_results
+
+    model_config(args)
+    opts = rank_options(args)
+    out, name = _out(args, f"layer-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
+    worker_args = (args.model, args.dtype, args.num_tokens, _settings(args), args.num_layers, not args.no_ops)
+    rows, calibrated = run_ranks(bench_layer_worker, *worker_args, opts=opts)[0]
+    meta = run_metadata(
+        {"model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.num_layers,
+         "calibrated": calibrated, "reps": args.num_iters, "inner": args.inner}
+    )  # fmt: skip
+    print(markdown_table([r for r in rows if r["what"] == "layer"], LAYER_COLUMNS))
+    json_path, md_path = write_results(out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    return EXIT_OK
+
+
+def bench_latency_worker(ctx, model, dtype_name, num_layers, prefill, decode, settings, verify):
+    """(rows, kernels seen per arm, verification problems, whether a calibration table was used)."""
+    from tpweave.bench.latency import bench_latency
+
+    table = cached_table(model, ctx.world_size, dtype_name)
+    rows, kernels, problems = bench_latency(
+        ctx, model, dtype_name=dtype_name, num_layers=num_layers, prefill=prefill, decode=decode,
+        settings=settings, table=table, verify=verify,
+    )  # fmt: skip
+    return rows, kernels, problems, table is not None
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    """Time prefill and decode of the whole model per arm and write the results; exit status 1 when the
+    kernel verification found an arm that did not run what it should."""
+    from tpweave.bench.results import DECODE_COLUMNS, PREFILL_COLUMNS, markdown_table, run_metadata, write_results
+
+    cfg = model_config(args)
+    too_long = [f"{b}x{n}" for b, n in args.prefill + args.decode if n > cfg.max_position_embeddings]
+    if too_long:
+        raise CLIError(
+            f"--prefill/--decode lengths {', '.join(too_long)} exceed the model's "
+            f"{cfg.max_position_embeddings} positions"
+        )
+    opts = rank_options(args)
+    out, name = _out(args, f"latency-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
+    worker_args = (
+        args.model,
+        args.dtype,
+        args.num_layers,
+        args.prefill,
+        args.decode,
+        _settings(args),
+        not args.no_verify,
+    )
+    rows, kernels, problems, calibrated = run_ranks(bench_latency_worker, *worker_args, opts=opts)[0]
+    failures = f"kernel verification failed: {'; '.join(problems)}" if problems else None
+    meta = run_metadata(
+        {"kind": "latency", "model": args.model, "tp": args.tp, "dtype": args.dtype,
+         "layers": args.num_layers or cfg.num_layers, "calibrated": calibrated, "reps": args.num_iters,
+         "inner": args.inner, "kernels": kernels, "verification_problems": problems, "failures": failures}
+    )  # fmt: skip
+    print(markdown_table([r for r in rows if r["what"] == "prefill"], PREFILL_COLUMNS))
+    print(markdown_table([r for r in rows if r["what"] == "decode"], DECODE_COLUMNS))
+    json_path, md_path = write_results(out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    if problems:
+        print(f"FAILED: {failures}")
+        print("tpweave: kernel verification FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, seed):
+    """Each arm's engine through every (workload, rate): (rows, per-request records)."""
+    from tpweave.bench.serve import release_engine, run_requests, summarize, warm_up
+    from tpweave.bench.timing import allow_many_compiles
+    from tpweave.engine import LLMEngine
+
+    allow_many_compiles()
+    rows, records = [], {}
+    for arm in arms:
+        engine = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs)
+        warm_up(engine)
+        for workload, rate, requests in workloads:
+            recs = run_requests(ctx, engine, requests, seed=seed)
+            records[f"{arm}/{workload}/{rate}"] = recs
+            errors = sorted({r["error"] for r in recs if r["error"]})[:5]
+            rows.append(
+                {"what": "serve", "workload": workload, "rate": rate, "arm": arm, **summarize(recs), "errors": errors}
+            )
+        release_engine(engine)
+        engine = None  # noqa: F841  (drop the last reference before the next arm allocates)
+    for r in rows:
+        base = next(b for b in rows if b["arm"] == arms[0] and (b["workload"], b["rate"]) == (r["workload"], r["rate"]))
+        base_tp = base["output_token_throughput"]
+        r["vs_baseline"] = r["output_token_throughput"] / base_tp if base_tp else None
+    return rows, records
+
+
+def _workloads(args: argparse.Namespace) -> list:
+    from tpweave.bench.serve import WORKLOADS, load_requests, poisson_requests
+
+    workloads = []
+    for rate in args.request_rate:
+        if args.dataset_path:
+            try:
+                requests = load_requests(args.dataset_path, rate=rate, seed=args.seed)
+            except ValueError as e:
+                raise CLIError(f"--dataset-path {args.dataset_path}: {e}") from None
+            workloads.append((Path(args.dataset_path).name, rate, requests))
+            continue
+        for name in (w.strip() for w in args.workload.split(",") if w.strip()):
+            if name not in WORKLOADS:
+                raise CLIError(
+                    f"--workload {name!r}: choose from {', '.join(sorted(WORKLOADS))}, or give --dataset-path"
+                )
+            lengths = WORKLOADS[name]
+            workloads.append(
+                (
+                    name,
+                    rate,
+                    poisson_requests(num_requests=args.num_prompts, rate=rate, lengths=lengths, seed=args.seed),
+                )
+            )
+    return workloads
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Serve the workloads through each arm's engine; exit status 1 when a cell lost a request or when
+    every request of a cell failed."""
+    from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
+
+    cfg = model_config(args, **({"num_layers": args.num_layers} if args.num_layers else {}))
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or any(a not in ("baseline", "auto") for a in arms):
+        raise CLIError(f"--arms takes baseline and/or auto, got {args.arms!r}")
+    workloads = _workloads(args)
+    opts = rank_options(args)
+    out, name = _out(args, f"serve-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
+    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "max_model_len": args.max_model_len, "block_size": args.block_size}  # fmt: skip
+    if args.num_layers:
+        engine_kwargs["num_layers"] = args.num_layers
+    rows, _ = run_ranks(
+        bench_serve_worker, args.model, args.dtype, arms, workloads, engine_kwargs, args.seed, opts=opts
+    )[0]
+    failures = _serve_failures(rows)
+    meta = run_metadata(
+        {"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
+         "num_requests": args.num_prompts, "failures": failures, **engine_kwargs}
+    )  # fmt: skip
+    print(markdown_table(rows, SERVE_COLUMNS))
+    json_path, md_path = write_results(out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    if failures:
+        print(f"FAILED: {failures}")
+    lost_or_all_failed = any(
+        r["num_finished"] + r["num_failed"] != r["num_requests"] or not r["num_finished"] for r in rows
+    )
+    return EXIT_FAILED if lost_or_all_failed else EXIT_OK
+
+
+def _serve_failures(rows: list[dict]) -> str | None:
+    """One line of the failed and lost requests per cell, None when every request finished."""
+    parts = []
+    for r in rows:
+        lost = r["num_requests"] - r["num_finished"] - r["num_failed"]
+        if r["num_failed"] or lost:
+            cell = f"{r['arm']}/{r['workload']}/rate {r['rate']}"
+            what = f"{r['num_failed']} of {r['num_requests']} requests failed" + (f", {lost} lost" if lost else "")
+            errors = f" ({'; '.join(r['errors'][:2])})" if r.get("errors") else ""
+            parts.append(f"{cell}: {what}{errors}")
+    return " | ".join(parts) or None

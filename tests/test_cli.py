@@ -1,0 +1,205 @@
+"""The command line as a user meets it, called through a subprocess: one-line errors before any rank
+starts, exit statuses that tell the truth, help that documents itself, results that never land on an
+earlier run's files, torchrun, and the README's examples as written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tpweave.cli.main import COMMANDS
+from tpweave.cli.parser import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tpweave(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):
+    """Run `python -m tpweave ARGS` as a user would; (exit status, stdout, stderr, seconds)."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpweave", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--model", "llama9-1t"], "--model llama9-1t: 'llama9-1t' is neither a model preset"),
+        (["demo", "-tp", "5"], "--tensor-parallel-size 5: TP=5 does not divide num_heads=48"),
+        (["demo", "--num-tokens", "0"], "argument --num-tokens: must be >= 1, got 0"),
+        (["demo", "--tp", "0"], "argument -tp/--tensor-parallel-size/--tp: must be >= 1, got 0"),
+        (["demo", "--model", "./no/such/dir"], "no such directory"),
+        (["bench", "serve", "--model", "tiny", "--request-rate", "0"], "rates must be > 0"),
+        (["bench", "serve", "--model", "tiny", "--workload", "chatty"], "--workload 'chatty': choose from"),
+        (["generate", "--model", "tiny", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["report", "missing.json"], "missing.json: not a readable JSON file"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_rank_starts(args, message, tmp_path):
+    code, out, err, seconds = tpweave(*args, cwd=tmp_path)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpweave: error: ") and message in lines[0], err
+    assert seconds < 60, seconds  # no rank was started (they take 10-30 s to import and compile)
+    assert not (tmp_path / "tpweave-results").exists()  # nothing written
+
+
+def test_model_directory_with_a_broken_config_names_the_file(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    code, _, err, _ = tpweave("generate", "--model", str(tmp_path / "m"), cwd=tmp_path)
+    assert code == 2 and f"{tmp_path / 'm' / 'config.json'}: not a readable JSON file" in err, err
+
+
+def test_report_refuses_what_is_not_a_result_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"meta": {}, "rows": [{"foo": 1}]}))
+    code, _, err, _ = tpweave("report", str(bad), "--output-dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert code == 2 and "bad.json: not a tpweave results file" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def _every_action(parser: argparse.ArgumentParser, path: str = "tpweave"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_action(sub, f"{path} {name}")
+        else:
+            yield path, action
+
+
+def test_help_documents_every_option():
+    parser = build_parser(COMMANDS)
+    for path, action in _every_action(parser):
+        if action.help == argparse.SUPPRESS:
+            continue
+        assert action.help, f"{path} {action.option_strings or action.dest} has no help text"
+    code, out, _, _ = tpweave("bench", "serve", "--help")
+    assert code == 0 and "(default: 2,8)" in out and "requests per second" in out and "--num-prompts" in out
+    for cmd in (["--help"], ["bench", "--help"]):
+        code, out, _, _ = tpweave(*cmd)
+        assert code == 0 and "bench_cmd" not in out and "{demo" not in out
+        assert "COMMAND" in out or "BENCHMARK" in out
+    code, out, _, _ = tpweave("--version")
+    assert code == 0 and re.fullmatch(r"tpweave \d+\.\d+\.\d+\n", out), out
+    code, _, err, _ = tpweave()
+    assert code == 2 and "tpweave: error:" in err and "cmd" not in err.replace("COMMAND", ""), err
+
+
+def test_one_flag_name_per_concept_across_commands():
+    """vLLM's names where the concept is the same, and the same name in every tpweave command."""
+    parser = build_parser(COMMANDS)
+    flags = {opt for _, action in _every_action(parser) for opt in action.option_strings}
+    assert {"-tp", "--tensor-parallel-size", "--num-prompts", "--request-rate", "--num-iters", "--num-layers"} <= flags
+    assert not {"--num-requests", "--layers", "--reps", "--rates", "--out"} & flags
+
+
+def test_generate_where_every_prompt_is_rejected_fails(tmp_path):
+    code, out, err, _ = tpweave(
+        "generate", "--model", "tiny", "-tp", "1", "--prompt-ids", "999999", "--no-compile", cwd=tmp_path
+    )
+    assert code == 1, (out, err)
+    assert "[0] rejected: token ids [999999] are outside the vocabulary" in out
+    assert "1 of 1 prompt(s) rejected" in out
+
+
+def test_serve_where_every_request_fails_says_so_and_fails(tmp_path):
+    requests = tmp_path / "requests.csv"
+    requests.write_text("input_len,output_len\n500,4\n600,3\n")  # longer than --max-model-len
+    args = ["bench", "serve", "--model", "tiny", "-tp", "1", "--dtype", "float32", "--dataset-path", str(requests)]
+    args += ["--request-rate", "inf", "--max-model-len", "128", "--max-num-batched-tokens", "64", "--arms", "auto"]
+    code, out, err, _ = tpweave(*args, "--output-dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert code == 1, (out, err)
+    assert "FAILED: auto/requests.csv/rate inf: 2 of 2 requests failed" in out, out
+    md = next((tmp_path / "out").glob("*.md")).read_text()
+    assert "**Failures:** auto/requests.csv/rate inf: 2 of 2 requests failed" in md
+
+
+def test_results_go_to_a_new_folder_and_never_overwrite(tmp_path):
+    from tpweave.bench.results import write_results
+
+    rows = [{"what": "layer", "tokens": m, "arm": arm, "vs_baseline": 1.0} for m in (4, 8) for arm in ("a", "b")]
+    write_results(tmp_path / "runs", "layer-x", {"model": "x"}, rows)
+    result = str(tmp_path / "runs" / "layer-x.json")
+    for _ in range(2):
+        code, _, err, _ = tpweave("report", result, cwd=tmp_path)
+        assert code == 0, err
+    reports = sorted((tmp_path / "tpweave-results").glob("report-*/REPORT.md"))
+    assert len(reports) == 2  # a new timestamped folder each time
+    code, _, _, _ = tpweave("report", result, "--output-dir", str(tmp_path / "mine"), cwd=tmp_path)
+    assert code == 0
+    code, _, err, _ = tpweave("report", result, "--output-dir", str(tmp_path / "mine"), cwd=tmp_path)
+    assert code == 2 and "already holds REPORT.md from an earlier run" in err and "--overwrite" in err
+    code, _, _, _ = tpweave("report", result, "--output-dir", str(tmp_path / "mine"), "--overwrite", cwd=tmp_path)
+    assert code == 0
+
+
+def test_recorded_commit_is_tpweaves_own(tmp_path, monkeypatch):
+    from tpweave.bench.provenance import PACKAGE_DIR, code_version
+    from tpweave.bench.results import run_metadata
+
+    monkeypatch.chdir(tmp_path)  # not a git checkout: the commit must still be tpweave's
+    code = code_version()
+    head = subprocess.run(["git", "-C", str(PACKAGE_DIR), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert code["commit"] == head.stdout.strip() and isinstance(code["dirty"], bool)
+    else:
+        assert code["commit"] is None
+    assert len(code["source_hash"]) == 16 and run_metadata()["code"] == code
+
+
+def test_demo_prints_progress_and_one_readable_report(tmp_path):
+    code, out, err, _ = tpweave("demo", cwd=tmp_path)
+    assert code == 0, (out, err)
+    assert "[tpweave" in err and "compiling and running M=37" in err  # progress on stderr
+    assert out.count("tpweave report:") == 1 and "graph 1 [sp]" in out and "graph 2 [sp]" in out
+    assert "M >= 0" not in out and "the sequence-parallel graph serves every M" in out
+    assert "strategies that ran: M=37: sequential; M=1: sequential" in out
+    assert "symm_mem_fused" in out and "not available on cpu" in out  # named by the policies, said not to run
+
+
+def test_commands_run_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m tpweave demo`: each process is one rank; rank 0 alone prints."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tpweave", "demo"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("all 2 ranks agree on the output: True") == 1, proc.stdout
+    bad = subprocess.run([*cmd, "-tp", "4"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert bad.returncode != 0 and "--tensor-parallel-size 4 differs from torchrun's WORLD_SIZE=2" in bad.stderr
+
+
+def _readme_python_example() -> str:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    return next(b for b in blocks if "tpweave.launch(" in b)
+
+
+def test_readme_launch_example_runs_as_written(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(_readme_python_example())
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_launch_without_a_main_guard_says_what_to_do(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import tpweave\n\ndef worker(ctx):\n    return ctx.rank\n\nprint(tpweave.launch(worker, nprocs=2))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
