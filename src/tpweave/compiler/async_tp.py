@@ -253,7 +253,7 @@ def _reduce_scatter_matches(graph: fx.Graph, report: GraphReport) -> list[_Reduc
             src, view = src.args[0], src
         fp8 = src.target is tpw.scaled_mm.default and src.args[4] is None  # FP8 without bias
         if not (src.target is aten.mm.default or fp8) or len(src.users) != 1:
-            report.add("reduce_scatter", rs, "left alone", f"input {rs.args[0].name} is not a matmul used only here")
+            report.add("reduce_scatter", rs, "left alone", "its input is not a matmul used only here")
             continue
         found.append(_ReduceScatterMatch(rs, src, view))
     return found

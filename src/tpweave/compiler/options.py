@@ -207,5 +207,5 @@ def _table(table: StrategyTable | str | None, module: object, tp: TPGroup) -> tu
     found = load_table(table_key(cfg, tp=tp.world_size, dtype=param.dtype))
     if found is None:
         logger.info("no calibration table: built-in defaults (tpweave calibrate would tune this)")
-        return None, "none measured for this GPU, TP and dtype: built-in defaults (tpweave calibrate measures one)"
+        return None, "none measured for this device, TP and dtype: built-in defaults (tpweave calibrate measures one)"
     return found, "calibrated (tpweave calibrate)"
