@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
 from tpweave.compiler.options import CompilePlan
 from tpweave.compiler.report import CompileReport
 from tpweave.compiler.tp_pass import PassFailure, describe
-from tpweave.log import logger
+from tpweave.log import logger, progress
 from tpweave.ops.strategies import chosen_name
 
 TOKEN_KWARGS = ("input_ids", "inputs_embeds")  # HF's names of the token inputs
@@ -127,7 +128,7 @@ class CompiledTP:
         variant = self.variant_for(num_tokens)
         self.calls[variant] += 1
         _mark_dynamic(inputs)
-        num_compiles_before = self.compile_report.num_compiles
+        num_compiles_before, start = self.compile_report.num_compiles, time.monotonic()
         with _dynamo_budget(len(self.variants)) as watch:
             try:
                 out = self.variants[variant](*args, **kwargs)
@@ -143,6 +144,14 @@ class CompiledTP:
                 self.variants[variant] = self.eager
                 out = self.eager(*args, **kwargs)
         compiled_now = self.compile_report.num_compiles - num_compiles_before
+        if compiled_now:
+            progress(
+                "compiled %d %s graph(s) for M=%d in %.1f s",
+                compiled_now,
+                variant,
+                num_tokens,
+                time.monotonic() - start,
+            )
         for function in watch.functions:
             self._note(
                 f"Dynamo reached its recompile limit (torch._dynamo.config.recompile_limit x {len(self.variants)} "

@@ -20,6 +20,7 @@ from tpweave.compiler import PLAIN_TP, CompileOptions
 from tpweave.engine.block_manager import slot_of
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.scheduler import ScheduledChunk
+from tpweave.log import progress
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
 
@@ -74,6 +75,7 @@ class ModelRunner:
     # -- memory -----------------------------------------------------------------------------------
     def _blocks_from_free_memory(self, num_tokens: int, utilization: float) -> int:
         """Blocks that fit in utilization x GPU memory after weights and the peak of a warm-up step."""
+        progress("sizing the KV cache: a warm-up step of %d tokens", num_tokens)
         cfg, dev = self.model.config, self.ctx.device
         kv_heads = cfg.num_kv_heads // self.ctx.world_size
         # A throwaway cache for one sequence of num_tokens: the warm-up runs the engine's code path.
@@ -167,6 +169,7 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
+        progress("capturing decode CUDA graphs for %d batch sizes (up to %d)", len(buckets), max(buckets))
         dev, top = self.ctx.device, max(buckets)
         self._static = [t.to(dev) for t in self._decode_host_inputs([], top)]
         self._static_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
