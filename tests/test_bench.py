@@ -3,10 +3,13 @@ accounting for every request, request files, kernel categories and checks, and t
 
 import json
 
+import numpy as np
 import pytest
 
-from tpweave.bench.kernels import categorize, check, expected_categories
+from tpweave.bench.kernels import categorize, expected_comm, prove
 from tpweave.bench.serve import Request, load_requests, poisson_requests, summarize
+from tpweave.bench.stats import aa_check, paired_ratio
+from tpweave.bench.timing import time_arms
 from tpweave.cli import main
 
 
@@ -41,10 +44,12 @@ def test_latency_cli_rows_and_report(tmp_path, capsys):
     data = json.loads((tmp_path / "latency-tiny-tp2-float32.json").read_text())
     rows = data["rows"]
     assert {(r["what"], r["arm"]) for r in rows} == {
-        (w, a) for w in ("prefill", "decode") for a in ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")
+        (w, a)
+        for w in ("prefill", "decode")
+        for a in ("plain_nccl", "plain_best", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only")
     }
     for r in rows:
-        assert r["ms"] > 0 and r["vs_baseline"] > 0
+        assert r["ms"] > 0 and r["vs_plain_best"]["ratio"] > 0 and len(r["samples_ms"]) == 2
         assert r["tokens"] == (74 if r["what"] == "prefill" else 3)
     assert data["meta"]["kind"] == "latency" and data["meta"]["layers"] == 2
     assert (tmp_path / "latency-tiny-tp2-float32-prefill.png").exists()
@@ -128,19 +133,78 @@ def test_kernel_categories_and_checks():
     assert categorize("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl_all_reduce"
     assert categorize("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "nccl_reduce_scatter"
     assert categorize("Memcpy PtoP (Device -> Device)") == "symm_mem"
-    assert (
-        categorize("void (anonymous namespace)::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2, false, false>")
-        == "symm_mem"
-    )
+    two_shot = "void (anonymous namespace)::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2, false, false>"
+    assert categorize(two_shot) == "symm_mem_two_shot"
     assert (
         categorize("c10::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)") == "symm_mem"
     )
-    assert categorize("_all_reduce_rms_norm_kernel") == categorize("_all_reduce_rms_norm_ll_kernel") == "tpweave_comm"
-    assert "tpweave_comm" in expected_categories("auto", {"triton_ar_norm_ll"}, "plain")
-    need = expected_categories("sp_fused", {"symm_mem_fused"}, "sp")
-    assert check("sp_fused", {"nccl_all_gather": 2}, need) == [
-        "sp_fused: no symm_mem kernels ran (strategies ['symm_mem_fused'] at this M)"
+    assert categorize("_all_reduce_rms_norm_kernel") == "tpweave_ar_norm"
+    assert categorize("_all_reduce_rms_norm_ll_kernel") == "tpweave_ar_norm_ll"
+
+
+def test_kernel_proof_counts_every_site_at_every_m():
+    """The proof on recorded kernel lists: each strategy's kernels equal the sites that chose it at this
+    M; categories nothing chose must not appear (compute-only: no communication at all)."""
+    graph = {  # two layers of a plain graph: 2 fused all-reduce + norms, 2 routed all-reduces, the LM head's gather
+        "counts_after": {"all_reduce_rms_norm": 2, "all_reduce_routed": 2, "all_gather_into_tensor": 1},
+        "dispatched": [["all_reduce_rms_norm", "triton_ar_norm@0,sequential@1024"]] * 2
+        + [["all_reduce", "symm_mem_one_shot@0,sequential@512"]] * 2,
+    }
+    small = expected_comm(graph, 64)
+    assert {k: v[0] for k, v in small.items()} == {"tpweave_ar_norm": 2, "symm_mem_one_shot": 2, "nccl_all_gather": 1}
+    big = expected_comm(graph, 2048)
+    assert {k: v[0] for k, v in big.items()} == {"nccl_all_reduce": 4, "nccl_all_gather": 1}
+    seen = {"tpweave_ar_norm": 2, "symm_mem_one_shot": 2, "nccl_all_gather": 1, "gemm": 14}
+    assert prove("auto", seen, small) == []
+    assert prove("auto", {**seen, "symm_mem_one_shot": 1}, small) == [
+        "auto: 1 symm_mem_one_shot kernels per call, expected 2 (sites: all_reduce -> symm_mem_one_shot)"
     ]
-    assert check("sp_fused", {"symm_mem": 30}, need) == []
-    assert check("baseline", {}, expected_categories("baseline", {"sequential"}, "plain"))
-    assert check("compute_only", {"nccl_all_reduce": 1}, {}, forbid_comm=True)
+    # a strategy that cannot run here counts as sequential, which runs in its place
+    fallback = expected_comm(graph, 64, available=lambda name: name == "sequential")
+    assert {k: v[0] for k, v in fallback.items()} == {"nccl_all_reduce": 4, "nccl_all_gather": 1}
+    # SP graph: torch's fused ops (at least one of their kernels), an inserted gather left alone
+    dispatched = [["ag_mm", "symm_mem_fused"]] * 2 + [["mm_rs", "sequential"]] * 2
+    sp = {"counts_after": {"ag_mm": 2, "mm_rs": 2, "all_gather_tokens": 1}, "dispatched": dispatched}
+    need = expected_comm(sp, 4096)
+    assert need["symm_mem"][0] is None and need["nccl_reduce_scatter"][0] == 2 and need["nccl_all_gather"][0] == 1
+    assert prove("sp_fused", {"nccl_reduce_scatter": 2, "nccl_all_gather": 1}, need) == [
+        "sp_fused: no symm_mem kernels ran, but sites chose them (ag_mm -> symm_mem_fused)"
+    ]
+    # compute-only: nothing expected, every communication kernel is a problem; plain arms: no reduce-scatter
+    assert prove("compute_only", {"nccl_all_reduce": 1}, {}) == [
+        "compute_only: 1 nccl_all_reduce kernels per call, expected 0 (no site chose this category)"
+    ]
+    plain = expected_comm({"counts_after": {"all_reduce": 4}, "dispatched": []}, 8)
+    assert prove("plain_nccl", {"nccl_all_reduce": 4, "nccl_reduce_scatter": 4}, plain) == [
+        "plain_nccl: 4 nccl_reduce_scatter kernels per call, expected 0 (no site chose this category)"
+    ]
+
+
+def test_paired_intervals_and_the_aa_flag():
+    rng = np.random.default_rng(0)
+    noise = rng.normal(1.0, 0.01, 200)
+    same = paired_ratio(list(10 * noise), list(10 * noise[::-1]))
+    assert same.lo < 1.0 < same.hi and same.verdict == "no significant difference" and "no significant" in same.text()
+    faster = paired_ratio(list(10 * noise), list(9 * noise))
+    assert faster.lo > 1.05 and faster.verdict == "faster" and faster.text().startswith("1.11")
+    # pairing: a drift shared by both arms (same repetition) does not widen the interval
+    drift = np.linspace(1.0, 1.5, 200)
+    paired = paired_ratio(list(10 * drift * noise), list(9.9 * drift * noise))
+    assert paired.significant and paired.hi - paired.lo < 0.01
+    assert aa_check([1.0] * 10, [1.0] * 10)["flagged"] is False
+    biased = aa_check(list(10 * noise), list(10.3 * noise))
+    assert biased["flagged"] is True and biased["half_width"] < 0.01
+    tiny = paired_ratio([1.0, 2.0], [1.0, 2.0])
+    assert not tiny.significant  # two samples make no interval
+    with pytest.raises(ValueError, match="equal non-empty lengths"):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_timing_shuffles_arms_per_repetition_with_a_recorded_seed():
+    calls = []
+    arms = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    timings = time_arms(arms, reps=12, warmup=0, inner=1, seed=7)
+    again = time_arms(arms, reps=12, warmup=0, inner=1, seed=7)
+    assert timings.orders == again.orders and timings.seed == 7
+    assert len({tuple(o) for o in timings.orders}) > 3 and all(sorted(o) == list("abcd") for o in timings.orders)
+    assert all(len(t.samples_ms) == 12 for t in timings.values()) and set(timings.runners) == set("abcd")

@@ -57,13 +57,13 @@ def test_policy_and_boundary_from_measurements():
     ]
     assert policy_from_op_rows(rows) == "sequential@0,fast@1024"
     layers = [
-        {"tokens": 1, "arm": "baseline", "ms_per_layer": 1.0},
+        {"tokens": 1, "arm": "plain_best", "ms_per_layer": 1.0},
         {"tokens": 1, "arm": "auto", "ms_per_layer": 1.2},
-        {"tokens": 256, "arm": "baseline", "ms_per_layer": 2.0},
+        {"tokens": 256, "arm": "plain_best", "ms_per_layer": 2.0},
         {"tokens": 256, "arm": "auto", "ms_per_layer": 1.9},
-        {"tokens": 512, "arm": "baseline", "ms_per_layer": 3.0},
+        {"tokens": 512, "arm": "plain_best", "ms_per_layer": 3.0},
         {"tokens": 512, "arm": "auto", "ms_per_layer": 3.1},
-        {"tokens": 2048, "arm": "baseline", "ms_per_layer": 9.0},
+        {"tokens": 2048, "arm": "plain_best", "ms_per_layer": 9.0},
         {"tokens": 2048, "arm": "auto", "ms_per_layer": 8.0},
     ]
     assert sp_min_from_layer_rows(layers) == 2048  # 256 wins, but 512 loses again: only from 2048 on
@@ -170,7 +170,9 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     assert result["meta"]["calibrated"] is True and result["meta"]["tp"] == 2
     layer_rows = [r for r in result["rows"] if r["what"] == "layer"]
     assert {(r["tokens"], r["arm"]) for r in layer_rows} == {
-        (m, a) for m in (5, 17) for a in ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")
+        (m, a)
+        for m in (5, 17)
+        for a in ("plain_nccl", "plain_best", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only")
     }
     assert all(r["ms_per_layer"] > 0 for r in layer_rows)
     assert {r["site"] for r in result["rows"] if r["what"] == "op"} == {
@@ -178,6 +180,24 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     }
     md = (tmp_path / "out" / "layer-tiny-tp2-float32.md").read_text()
     assert "## Decoder layer" in md and "compute_only" in md and "## Overlapped ops" in md
+
+
+def test_bench_layer_compiles_every_arm_at_every_size():
+    """Every arm of `bench layer` compiles the same LayerStack code object: 8 arms x (the graph for M >= 2,
+    the one for M = 1) exceed Dynamo's recompile limit, past which it runs the later arms eagerly without a
+    word. The harness raises the limit while it compiles, and records each arm's compile report."""
+    tokens = [1, 16, 33]
+    rows, record = tpweave.launch(workers.bench_layers_record, tokens, nprocs=2, timeout_s=900)[0]
+    assert record["fallbacks"] == [], record["fallbacks"]
+    reports = record["compile_reports"]
+    assert set(reports) == {"plain_nccl", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only"}
+    for arm, report in reports.items():
+        assert report["num_compiles"] >= 2 and not report["recompile_limit_hit_in"], (arm, report["notes"])
+    assert sorted(record["orders"]) == tokens and all(len(o) == 2 for o in record["orders"].values())
+    orders = [tuple(order) for m in tokens for order in record["orders"][m]]
+    assert len(set(orders)) > 1  # shuffled per repetition, not a fixed rotation
+    auto = [r for r in rows if r["arm"] == "auto"]
+    assert len(auto) == 3 and all({"ratio", "lo", "hi", "flagged"} <= r["aa"].keys() for r in auto)
 
 
 def test_cli_rejects_bad_arguments(capsys):

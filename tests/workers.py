@@ -875,3 +875,11 @@ def hf_generate_with_compiled_forward(ctx, path, prompts, max_new_tokens):
     report = tpweave.report(model.forward)
     graphs = [(g.variant, g.counts_before, g.counts_after) for g in report.graphs]
     return {"tokens": out, "graphs": graphs, "notes": list(report.notes), "report": str(report)}
+
+
+def bench_layers_record(ctx, tokens):
+    """bench_layers of the tiny model (1 layer, 2 repetitions): (rows, record)."""
+    from tpweave.bench.layer import BenchSettings, bench_layers
+
+    settings = BenchSettings(reps=2, warmup=1, inner=1)
+    return bench_layers(ctx, "tiny", tokens, dtype_name="float32", num_layers=1, settings=settings, table=None)

@@ -30,7 +30,7 @@ def calibrate(
         policies={s: policy_from_op_rows(rows) for s, rows in by_site.items()},
         sp_min_tokens=0,
     )
-    layer_rows = bench_layers(
+    layer_rows, _ = bench_layers(
         ctx,
         model,
         grid,
@@ -38,7 +38,7 @@ def calibrate(
         num_layers=num_layers,
         settings=settings,
         table=table,
-        arms=("baseline", "auto", "compute_only"),
+        arms=("plain_best", "auto", "compute_only"),
     )
     table.sp_min_tokens = sp_min_from_layer_rows(layer_rows)
     table.measurements = {"ops": op_rows, "layers": layer_rows}

@@ -1,6 +1,15 @@
-"""Which communication kernels an arm really ran: a torch.profiler trace of a few forwards, kernel
-names sorted into categories, counted per forward. An arm whose configuration picks fused or
-overlapped strategies but shows none of their kernels fails the run (tpweave.bench.kernels.check).
+"""Proof of what an arm ran: a torch.profiler trace of the CUDA graph that was timed, at every M, its
+communication kernels counted against what the compiled graph's sites chose at that M.
+
+Every collective site of a compiled graph is either a plain collective (an all-reduce the plain graph
+kept, a reduce-scatter or all-gather the SP pass inserted and async TP left alone) or a
+strategy-dispatched op with a policy (GraphReport.dispatched). At a given M each picks one strategy,
+and each strategy has a signature: the kernel category it launches and how many of them per call.
+The expected count of every communication category is the sum over sites; the observed count must
+equal it (strategies whose kernel count per call depends on torch's internals, torch's fused ops and
+tpweave's copy-engine pipelines, must show at least one of their kernels). Categories nothing chose
+must not appear: compute_only runs no communication at all, plain arms no reduce-scatter, all-gather
+or overlap kernels.
 """
 
 from __future__ import annotations
@@ -19,15 +28,55 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("nccl_reduce_scatter", re.compile(r"nccl.*ReduceScatter", re.I)),
     ("nccl_all_gather", re.compile(r"nccl.*AllGather", re.I)),
     ("nccl_other", re.compile(r"nccl", re.I)),
-    # tpweave's own communication kernels (ops/strategies/triton_*.py)
-    ("tpweave_comm", re.compile(r"_all_reduce_rms_norm(_ll)?_kernel")),
-    # torch symm_mem: one/two-shot all-reduce kernels, barriers and signal kernels of the fused ops and
-    # of tpweave's ce_overlap, and the copy-engine peer copies of their pipelines
-    ("symm_mem", re.compile(r"one_shot|two_shot|multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),
+    # tpweave's own fused all-reduce + norm kernels (ops/strategies/triton_ar_norm.py)
+    ("tpweave_ar_norm_ll", re.compile(r"_all_reduce_rms_norm_ll_kernel")),
+    ("tpweave_ar_norm", re.compile(r"_all_reduce_rms_norm_kernel")),
+    ("symm_mem_one_shot", re.compile(r"one_shot_all_reduce", re.I)),
+    ("symm_mem_two_shot", re.compile(r"two_shot_all_reduce", re.I)),
+    # torch symm_mem's barriers and signal kernels (its fused ops, tpweave's ce_overlap), and the
+    # copy-engine peer copies of their pipelines
+    ("symm_mem", re.compile(r"multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),
     ("tpweave_triton", re.compile(r"_paged_decode_kernel|tpweave", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|sm90|nvjet|matmul", re.I)),
 )
+COMM_CATEGORIES = (
+    "nccl_all_reduce",
+    "nccl_reduce_scatter",
+    "nccl_all_gather",
+    "nccl_other",
+    "tpweave_ar_norm_ll",
+    "tpweave_ar_norm",
+    "symm_mem_one_shot",
+    "symm_mem_two_shot",
+    "symm_mem",
+)
+# (strategy, op kind) -> (category, kernels per call; None: at least one). Kinds not listed take the
+# strategy's "*" entry.
+SIGNATURES: dict[tuple[str, str], tuple[str, int | None]] = {
+    ("sequential", "all_reduce"): ("nccl_all_reduce", 1),
+    ("sequential", "all_reduce_rms_norm"): ("nccl_all_reduce", 1),
+    ("sequential", "ag_mm"): ("nccl_all_gather", 1),
+    ("sequential", "ag_scaled_mm"): ("nccl_all_gather", 2),  # the FP8 rows and their scales
+    ("sequential", "mm_rs"): ("nccl_reduce_scatter", 1),
+    ("sequential", "mm_rs_rms_norm"): ("nccl_reduce_scatter", 1),
+    ("sequential", "scaled_mm_rs"): ("nccl_reduce_scatter", 1),
+    ("symm_mem_one_shot", "*"): ("symm_mem_one_shot", 1),
+    ("symm_mem_two_shot", "*"): ("symm_mem_two_shot", 1),
+    ("triton_ar_norm", "*"): ("tpweave_ar_norm", 1),
+    ("triton_ar_norm_ll", "*"): ("tpweave_ar_norm_ll", 1),
+    ("symm_mem_fused", "*"): ("symm_mem", None),
+    ("ce_overlap", "*"): ("symm_mem", None),
+    ("ce_overlap_2s", "*"): ("symm_mem", None),
+}
+# Plain collectives the passes left in the graph (GraphReport.counts_after) -> (category, kernels each).
+PLAIN_COLLECTIVES = {
+    "all_reduce": ("nccl_all_reduce", 1),
+    "reduce_scatter_tokens": ("nccl_reduce_scatter", 1),
+    "all_gather_tokens": ("nccl_all_gather", 1),
+    "all_gather_into_tensor": ("nccl_all_gather", 1),
+    "reduce_scatter_tensor": ("nccl_reduce_scatter", 1),
+}
 
 
 def categorize(name: str) -> str:
@@ -39,9 +88,10 @@ def categorize(name: str) -> str:
 
 
 def profile_kernels(
-    fn: Callable[[], Any], *, num_forwards: int = 2, trace_path: str | Path | None = None
+    fn: Callable[[], Any], *, num_calls: int = 2, trace_path: str | Path | None = None
 ) -> dict[str, Any]:
-    """Run fn num_forwards times under the profiler; kernel counts per forward by category and by name."""
+    """Run fn (e.g. a timed CUDA graph's replay) num_calls times under the profiler: kernels per call
+    by category ("per_call") and the communication kernels by name ("comm_kernels")."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -49,7 +99,7 @@ def profile_kernels(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     with profile(activities=activities) as prof:
-        for _ in range(num_forwards):
+        for _ in range(num_calls):
             fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -57,52 +107,57 @@ def profile_kernels(
         prof.export_chrome_trace(str(trace_path))
     names: Counter[str] = Counter()
     for evt in prof.events():
-        device_type = getattr(evt, "device_type", None)
         # "nccl:all_reduce"-style names are profiler annotations on the GPU timeline, not kernels
-        if (
-            device_type is not None
-            and device_type == torch.autograd.DeviceType.CUDA
-            and not evt.name.startswith("nccl:")
-        ):
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and not evt.name.startswith("nccl:"):
             names[evt.name] += 1
     by_category: Counter[str] = Counter()
     for name, n in names.items():
         by_category[categorize(name)] += n
-    per_forward = {k: v / num_forwards for k, v in sorted(by_category.items())}
-    comm = {
-        k: v / num_forwards
-        for k, v in names.items()
-        if categorize(k)
-        in ("nccl_all_reduce", "nccl_reduce_scatter", "nccl_all_gather", "nccl_other", "symm_mem", "tpweave_comm")
+    comm = {k: v / num_calls for k, v in names.items() if categorize(k) in COMM_CATEGORIES}
+    return {
+        "per_call": {k: v / num_calls for k, v in sorted(by_category.items())},
+        "comm_kernels": dict(sorted(comm.items())),
     }
-    return {"per_forward": per_forward, "comm_kernels": dict(sorted(comm.items()))}
 
 
-def expected_categories(arm: str, strategies: set[str], variant: str) -> dict[str, str]:
-    """What an arm must show, {category: why}, from what its configuration picked at this M."""
-    if arm == "compute_only":
-        return {}
-    need: dict[str, str] = {}
-    ours = {s for s in strategies if s.startswith("triton_")}  # tpweave's own kernels
-    torch_symm = strategies - {"sequential"} - ours
-    if ours:
-        need["tpweave_comm"] = f"strategies {sorted(ours)} at this M"
-    if torch_symm:
-        need["symm_mem"] = f"strategies {sorted(torch_symm)} at this M"
-    if ours or torch_symm:
-        pass
-    elif variant == "sp":
-        need["nccl_reduce_scatter"] = "sequence-parallel graph with plain collectives"
-    else:
-        need["nccl_all_reduce"] = "plain TP graph with NCCL all-reduce"
-    return need
+def expected_comm(
+    graph_report: dict, num_tokens: int, *, available: Callable[[str], bool] = lambda name: True
+) -> dict[str, tuple[int | None, list[str]]]:
+    """{category: (expected kernels per call, or None for "at least one"; the sites behind it)} of one
+    compiled graph (GraphReport.to_dict()) at M = num_tokens. A strategy that is not `available` counts as
+    `sequential`, which the dispatched op runs in its place."""
+    from tpweave.ops.strategies import chosen_name
+
+    expected: dict[str, tuple[int | None, list[str]]] = {}
+
+    def add(category: str, count: int | None, why: str) -> None:
+        have, whys = expected.get(category, (0, []))
+        total = None if count is None or have is None else have + count
+        expected[category] = (total, [*whys, why])
+
+    for collective, n in graph_report["counts_after"].items():
+        if collective in PLAIN_COLLECTIVES:
+            category, per = PLAIN_COLLECTIVES[collective]
+            add(category, per * n, f"{n} plain {collective}")
+    for kind, policy in graph_report["dispatched"]:
+        name = chosen_name(policy, num_tokens)
+        name = name if available(name) else "sequential"
+        category, per = SIGNATURES.get((name, kind)) or SIGNATURES[(name, "*")]
+        add(category, per, f"{kind} -> {name}")
+    return expected
 
 
-def check(arm: str, counts: dict[str, float], need: dict[str, str], *, forbid_comm: bool = False) -> list[str]:
-    """Problems (empty when the arm ran what it should)."""
-    problems = [f"{arm}: no {cat} kernels ran ({why})" for cat, why in need.items() if counts.get(cat, 0) == 0]
-    if forbid_comm:
-        comm = {k: v for k, v in counts.items() if k.startswith("nccl") or k == "symm_mem"}
-        if comm:
-            problems.append(f"{arm}: communication kernels ran in the compute-only arm: {comm}")
+def prove(arm: str, observed: dict[str, float], expected: dict[str, tuple[int | None, list[str]]]) -> list[str]:
+    """Problems (empty: the arm ran exactly what its sites chose). `observed`: kernels per call by category."""
+    problems = []
+    for category in COMM_CATEGORIES:
+        got = observed.get(category, 0)
+        count, whys = expected.get(category, (0, []))
+        sites = ", ".join(sorted(set(whys)))
+        if count is None:
+            if got == 0:
+                problems.append(f"{arm}: no {category} kernels ran, but sites chose them ({sites})")
+        elif got != count:
+            why = f" (sites: {sites})" if sites else " (no site chose this category)"
+            problems.append(f"{arm}: {got:g} {category} kernels per call, expected {count}{why}")
     return problems

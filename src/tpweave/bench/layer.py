@@ -1,9 +1,8 @@
 """`tpweave bench layer`: per decoder layer and per overlapped op, every arm in one run.
 
-Arms (whole layers): baseline (plain TP, NCCL all-reduce), sp_seq (SP, plain collectives),
-sp_fused (SP + torch's symm-mem fused ops), auto (tpweave with the calibrated table), compute_only
-(same shards, no communication: the lower bound). Per op: every registered strategy and the
-compute-only matmul. Hidden fraction = (T_baseline - T) / (T_baseline - T_compute_only).
+Layers: the arms of bench/arms.py (plain_best and plain_nccl, sp_seq, sp_fused, auto and its A/A copy,
+compute_only). Per op: every strategy that serves the site, and the compute-only matmul. Hidden
+share = (T_plain_best - T) / (T_plain_best - T_compute_only).
 """
 
 from __future__ import annotations
@@ -14,16 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpweave import compiler
-from tpweave.bench.timing import time_arms
-from tpweave.compiler import PLAIN_TP
+from tpweave.bench.arms import ARMS, arm_rows, compile_arms, compile_reports, fallbacks, prove_arms
+from tpweave.bench.stats import paired_ratio
+from tpweave.bench.timing import many_compiles, time_arms
 from tpweave.models import build_model
 from tpweave.models.config import DTYPES, get_preset
 from tpweave.ops.strategies import STRATEGIES
 from tpweave.runtime.context import TPContext
 from tpweave.tuning.table import SiteShape, StrategyTable, site_shapes
-
-LAYER_ARMS = ("baseline", "sp_seq", "sp_fused", "auto", "compute_only")
 
 
 class LayerStack(nn.Module):
@@ -49,33 +46,23 @@ def hidden_fraction(t: float, t_baseline: float, t_compute: float) -> float | No
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """Timing loop sizes: `reps` interleaved samples after `warmup` calls per arm, each sample the mean
-    of `inner` back-to-back runs."""
+    """Timing loop sizes: `reps` repetitions (arm order shuffled in each) after `warmup` calls per arm,
+    each sample the mean of `inner` back-to-back runs; `verify`: prove every arm's kernels at every M."""
 
-    reps: int = 10
+    reps: int = 30
     warmup: int = 3
     inner: int = 5
+    verify: bool = True
 
 
-def _layer_variants(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int, table: StrategyTable | None):
+def _layer_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int, table, arms: tuple[str, ...]):
     cfg = get_preset(model, num_layers=num_layers)
     tp_model = build_model(cfg, tp=ctx, dtype=dtype)
     no_comm = TPContext(rank=ctx.rank, world_size=ctx.world_size, group_name=None, device=ctx.device)
     compute_model = build_model(cfg, tp=no_comm, dtype=dtype)
     stack, compute_stack = LayerStack(tp_model.model.layers), LayerStack(compute_model.model.layers)
-    fused = (
-        "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(torch.empty(0, device=ctx.device)) else "sequential"
-    )
-    if ctx.device.type == "cuda" and fused != "symm_mem_fused":
-        raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
-    variants = {
-        "baseline": compiler.compile(stack, options=PLAIN_TP),
-        "sp_seq": compiler.compile(stack, sp=True, sp_min_tokens=0, async_tp=False),
-        "sp_fused": compiler.compile(stack, sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused),
-        "auto": compiler.compile(stack, sp=True, table=table),
-        "compute_only": compiler.compile(compute_stack, sp=False),
-    }
-    return cfg, variants
+    compiled = compile_arms(stack, compute_stack, device=ctx.device, dtype=dtype, table=table, arms=arms, auto_sp=True)
+    return cfg, compiled
 
 
 @torch.no_grad()
@@ -88,38 +75,37 @@ def bench_layers(
     num_layers: int,
     settings: BenchSettings,
     table: StrategyTable | None,
-    arms: tuple[str, ...] = LAYER_ARMS,
-) -> list[dict[str, Any]]:
-    """Time `num_layers` decoder layers under each arm for every M in `tokens` (one prefill sequence of M
-    tokens); one row per (M, arm), with times in ms per layer, speedup and hidden fraction against baseline."""
+    arms: tuple[str, ...] = ARMS,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Time `num_layers` decoder layers under each arm (bench/arms.py) for every M in `tokens` (one
+    prefill sequence of M tokens). (rows: one per (M, arm), ms per layer, ratios with 95% intervals,
+    raw samples; record: each repetition's arm order, kernels seen, proof problems, compile reports
+    and fallbacks of every arm)."""
     dtype = DTYPES[dtype_name]
-    cfg, variants = _layer_variants(ctx, model, dtype=dtype, num_layers=num_layers, table=table)
-    rows = []
-    for m in _progress(tokens, ctx, "layer"):
-        gen = torch.Generator(device=ctx.device).manual_seed(m)
-        x = torch.randn(m, cfg.hidden_size, device=ctx.device, dtype=dtype, generator=gen)
-        positions = torch.arange(m, device=ctx.device)
-        cu = torch.tensor([0, m], dtype=torch.int32, device=ctx.device)  # one sequence: a prefill
-        fns = {name: (lambda fn=variants[name]: fn(x, positions, cu)) for name in arms}
-        timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup, inner=settings.inner)
-        base, comp = timings["baseline"].median_ms, timings["compute_only"].median_ms
-        for name in arms:
-            t = timings[name]
-            rows.append(
-                {
-                    "what": "layer",
-                    "tokens": m,
-                    "arm": name,
-                    "ms_per_layer": t.median_ms / num_layers,
-                    "vs_baseline": base / t.median_ms,
-                    "hidden": hidden_fraction(t.median_ms, base, comp),
-                    "of_compute_only": comp / t.median_ms,
-                    "spread": t.spread,
-                    "peak_mem_bytes": t.peak_mem_bytes,
-                    "auto_variant": variants["auto"].variant_for(m) if name == "auto" else None,
-                }
-            )
-    return rows
+    rows, record = [], {"orders": {}, "kernels": {}, "problems": []}
+    with many_compiles():
+        cfg, compiled = _layer_arms(ctx, model, dtype=dtype, num_layers=num_layers, table=table, arms=arms)
+        probe = torch.empty(0, device=ctx.device, dtype=dtype)
+        for m in _progress(tokens, ctx, "layer"):
+            gen = torch.Generator(device=ctx.device).manual_seed(m)
+            x = torch.randn(m, cfg.hidden_size, device=ctx.device, dtype=dtype, generator=gen)
+            positions = torch.arange(m, device=ctx.device)
+            cu = torch.tensor([0, m], dtype=torch.int32, device=ctx.device)  # one sequence: a prefill
+            fns = {name: (lambda fn=fn: fn(x, positions, cu)) for name, fn in compiled.items()}
+            timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup,
+                                inner=settings.inner, seed=m)  # fmt: skip
+            record["orders"][m] = timings.orders
+            key = {"what": "layer", "tokens": m}
+            for row in arm_rows(timings, scale=1 / num_layers, key=key):
+                row["ms_per_layer"] = row["ms"]
+                row["variant"] = compiled[row.get("chosen") or row["arm"]].variant_for(m)
+                rows.append(row)
+            if settings.verify:
+                record["kernels"][m], found = prove_arms(compiled, timings.runners, m, probe=probe)
+                record["problems"] += found
+    record["compile_reports"] = compile_reports(compiled)
+    record["fallbacks"] = fallbacks(compiled)
+    return rows, record
 
 
 @torch.no_grad()
@@ -181,9 +167,10 @@ def bench_ops(
                 }
             if site.kind in ("ag_mm", "mm_rs"):  # an all-reduce has no compute to hide behind
                 fns["compute_only"] = lambda: a_full @ w
-            timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup, inner=settings.inner)
-            seq = timings["sequential"].median_ms
-            comp = timings["compute_only"].median_ms if "compute_only" in timings else seq
+            timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup,
+                                inner=settings.inner, seed=m)  # fmt: skip
+            seq = timings["sequential"]
+            comp = timings["compute_only"].median_ms if "compute_only" in timings else seq.median_ms
             for name, t in timings.items():
                 rows.append(
                     {
@@ -192,8 +179,9 @@ def bench_ops(
                         "tokens": m,
                         "arm": name,
                         "ms": t.median_ms,
-                        "vs_sequential": seq / t.median_ms,
-                        "hidden": hidden_fraction(t.median_ms, seq, comp),
+                        "samples_ms": t.samples_ms,
+                        "vs_sequential": paired_ratio(seq.samples_ms, t.samples_ms, seed=m).to_dict(),
+                        "hidden": hidden_fraction(t.median_ms, seq.median_ms, comp),
                         "spread": t.spread,
                     }
                 )

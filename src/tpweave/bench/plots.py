@@ -21,22 +21,29 @@ def _pyplot():
 def plot_speedup(
     rows: list[dict[str, Any]], axes: tuple[str, str, str, str], title: str, path: str | Path
 ) -> Path | None:
-    """One line per arm (and per series, e.g. context length or input length), y against x."""
+    """One line per arm (and per series, e.g. context length or input length), y against x; a y that is
+    a ratio with an interval (bench/stats.py) gets its 95% interval as error bars."""
     plt = _pyplot()
     x_key, y_key, x_label, y_label = axes
-    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    series: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
     for r in rows:
+        y = r.get(y_key)
+        if y is None or r["arm"] in ("auto_aa",):
+            continue
         extra = next((f" {k}={r[k]}" for k in ("context", "input_len") if k in r and k != x_key), "")
-        series[f"{r['arm']}{extra}"].append((r[x_key], r[y_key]))
+        mid, lo, hi = (y["ratio"], y["lo"], y["hi"]) if isinstance(y, dict) else (y, y, y)
+        series[f"{r['arm']}{extra}"].append((r[x_key], mid, mid - lo, min(hi, 10 * mid) - mid))
     if plt is None or not series:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, points in sorted(series.items()):
         points.sort()
-        ax.plot(
-            [x for x, _ in points],
-            [y for _, y in points],
+        ax.errorbar(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            yerr=[[p[2] for p in points], [p[3] for p in points]],
             marker="o",
+            capsize=2,
             label=label,
             linestyle="--" if label.startswith("compute_only") else "-",
         )

@@ -53,3 +53,61 @@ def describe(code: dict[str, Any]) -> str:
     if code.get("commit"):
         return f"commit {code['commit'][:10]}" + (" + uncommitted changes" if code.get("dirty") else "")
     return f"tpweave {code.get('version')}, sources sha256:{code.get('source_hash')}"
+
+
+ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "TPWEAVE_", "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_", "NVSHMEM_")
+GPU_FIELDS = "index,name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw,driver_version"
+
+
+def versions() -> dict[str, Any]:
+    """torch, Triton, NCCL and CUDA (runtime and driver) versions; None where absent."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            nccl = None
+    gpus = gpu_state() or []
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "nccl": nccl,
+        "cuda_runtime": torch.version.cuda,
+        "cuda_driver": gpus[0]["driver_version"] if gpus else None,
+    }
+
+
+def gpu_state() -> list[dict[str, str]] | None:
+    """Per GPU: name, SM and memory clocks (MHz, current and max), temperature (C), power (W), driver,
+    from nvidia-smi; None without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={GPU_FIELDS}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    keys = [k.replace(".", "_") for k in GPU_FIELDS.split(",")]
+    return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in out.stdout.strip().splitlines()]
+
+
+def environment() -> dict[str, str]:
+    """The variables that change what communication does (NCCL_*, TORCH_SYMM_MEM_*, ...)."""
+    import os
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def content_hash(text: str) -> str:
+    """sha256 of a text, 16 hex digits."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -12,10 +12,12 @@ from typing import Any
 import torch
 
 
-def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Device, GPU count, torch version, the code (tpweave's commit and dirty flag, or its version and a
-    hash of its sources: bench/provenance.py), command line and UTC date of this run, merged with `extra`."""
-    from tpweave.bench.provenance import code_version
+def run_metadata(extra: dict[str, Any] | None = None, *, gpus_start: list | None = None) -> dict[str, Any]:
+    """Provenance of this run, found by the tool (bench/provenance.py): the code (tpweave's commit and
+    dirty flag, or its version and a hash of its sources), torch / Triton / NCCL / CUDA versions, the
+    GPUs' clocks and temperatures at the start (`gpus_start`) and now, the communication environment
+    variables, the command line and UTC date; merged with `extra`."""
+    from tpweave.bench.provenance import code_version, environment, gpu_state, versions
 
     code = code_version()
     return {
@@ -24,6 +26,10 @@ def run_metadata(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "commit": code["commit"] or f"none (sources sha256:{code['source_hash']})",
         "code": code,
+        "versions": versions(),
+        "gpus_start": gpus_start,
+        "gpus_end": gpu_state(),
+        "env": environment(),
         "command": " ".join(shlex.quote(a) for a in ["tpweave", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **(extra or {}),
@@ -35,6 +41,11 @@ def _fmt(v: Any) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, dict) and {"ratio", "lo", "hi"} <= v.keys():  # a ratio with its 95% interval
+        text = f"{v['ratio']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]"
+        if v.get("flagged"):
+            return text + " A/A FLAGGED"
+        return text if v.get("verdict") in ("faster", "slower") or "flagged" in v else text + " n.s."
     return str(v)
 
 
@@ -45,32 +56,26 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+# Ratios are median(base) / median(arm) with their 95% interval; "n.s." = the interval holds 1.0 (no
+# significant difference). vs_plain_best is the headline (the strongest plain TP torch gives), vs_plain_nccl
+# beside it; aa (on auto's row) is auto vs its independently captured copy.
+RATIO_COLUMNS = ["vs_plain_best", "vs_plain_nccl", "aa"]
 LAYER_COLUMNS = [
     "tokens",
     "arm",
     "ms_per_layer",
-    "vs_baseline",
+    *RATIO_COLUMNS,
     "hidden",
     "of_compute_only",
     "spread",
-    "peak_mem_bytes",
-    "auto_variant",
+    "variant",
+    "chosen",
 ]
 OP_COLUMNS = ["site", "tokens", "arm", "ms", "vs_sequential", "hidden", "spread"]
-PREFILL_COLUMNS = [
-    "batch",
-    "input_len",
-    "tokens",
-    "arm",
-    "ms",
-    "vs_baseline",
-    "hidden",
-    "of_compute_only",
-    "spread",
-    "peak_mem_bytes",
-    "variant",
-]
-DECODE_COLUMNS = ["batch", "context", "arm", "ms", "vs_baseline", "hidden", "of_compute_only", "spread", "variant"]
+PREFILL_COLUMNS = ["batch", "input_len", "tokens", "arm", "ms", *RATIO_COLUMNS, "hidden", "of_compute_only", "spread",
+                   "peak_mem_bytes", "variant", "chosen"]  # fmt: skip
+DECODE_COLUMNS = ["batch", "context", "arm", "ms", *RATIO_COLUMNS, "hidden", "of_compute_only", "spread", "variant",
+                  "chosen"]  # fmt: skip
 SERVE_COLUMNS = [
     "workload",
     "rate",
@@ -96,23 +101,60 @@ SECTIONS = (
         "layer",
         "Decoder layer",
         LAYER_COLUMNS,
-        ("tokens", "vs_baseline", "tokens per step (M)", "speedup over baseline TP (per layer)"),
+        ("tokens", "vs_plain_best", "tokens per step (M)", "speedup over plain_best TP (per layer), 95% CI"),
     ),
     ("op", "Overlapped ops", OP_COLUMNS, None),
     (
         "prefill",
         "Prefill (time to first token)",
         PREFILL_COLUMNS,
-        ("tokens", "vs_baseline", "prompt tokens in the step (M)", "TTFT speedup over baseline TP"),
+        ("tokens", "vs_plain_best", "prompt tokens in the step (M)", "TTFT speedup over plain_best TP, 95% CI"),
     ),
     (
         "decode",
         "Decode (time per output token)",
         DECODE_COLUMNS,
-        ("batch", "vs_baseline", "decode batch", "TPOT speedup over baseline TP"),
+        ("batch", "vs_plain_best", "decode batch", "TPOT speedup over plain_best TP, 95% CI"),
     ),
     ("serve", "Serving", SERVE_COLUMNS, None),
 )
+
+
+# Metadata kept in the JSON but summarized (provenance_lines), not dumped, in the markdown
+BULKY_META = {"kernels", "compile_reports", "orders", "code", "versions", "gpus_start", "gpus_end", "env",
+              "table", "fallbacks", "verification_problems", "failures", "aa"}  # fmt: skip
+
+
+def provenance_lines(meta: dict[str, Any]) -> list[str]:
+    """Markdown lines: code, versions, GPU clocks at start and end, environment, calibration table,
+    kernel proof and fallbacks, the A/A control."""
+    from tpweave.bench.provenance import describe
+
+    lines = []
+    if meta.get("code"):
+        lines.append(f"- code: {describe(meta['code'])}")
+    if meta.get("versions"):
+        lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v))
+    for when in ("gpus_start", "gpus_end"):
+        for g in meta.get(when) or []:
+            clocks = f"SM {g.get('clocks_sm')} of {g.get('clocks_max_sm')} MHz"
+            lines.append(f"- GPU {g.get('index')} at {when[5:]}: {g.get('name')}, {clocks}, "
+                         f"{g.get('temperature_gpu')} C, {g.get('power_draw')} W")  # fmt: skip
+    if meta.get("env"):
+        lines.append("- environment: " + ", ".join(f"{k}={v}" for k, v in meta["env"].items()))
+    if "table" in meta:
+        table = meta["table"]
+        lines.append(
+            f"- calibration table: {table['sha256']} ({table['file']})" if table else "- calibration table: none"
+        )
+    if "verification_problems" in meta:
+        problems = meta["verification_problems"]
+        lines.append(f"- kernel proof at every M: {'FAILED: ' + '; '.join(problems) if problems else 'passed'}")
+    if "fallbacks" in meta:
+        lines.append(f"- compile fallbacks: {'; '.join(meta['fallbacks']) if meta['fallbacks'] else 'none'}")
+    if meta.get("aa"):
+        lines.append(f"- A/A control: {meta['aa']}")
+    return lines
 
 
 def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> str:
@@ -120,14 +162,9 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
     from tpweave.bench.plots import plot_serve, plot_speedup
 
     title = f"{meta.get('model', '')} TP={meta.get('tp', '')} {meta.get('dtype', '')} on {meta.get('device', '')}"
-    parts = [
-        f"# {name}",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | `{v}` |" for k, v in meta.items() if k != "kernels"],
-        "",
-    ]
+    parts = [f"# {name}", "", *provenance_lines(meta), "", "| | |", "|---|---|"]
+    parts += [f"| {k} | `{v}` |" for k, v in meta.items() if k not in BULKY_META]
+    parts.append("")
     if meta.get("failures"):
         parts += [f"**Failures:** {meta['failures']}", ""]
     for kind, section, columns, plot in SECTIONS:

@@ -1,47 +1,70 @@
 """Timing arms against each other the way a performance engineer would trust.
 
 Each arm is a zero-argument callable. On CUDA every arm is captured in its own CUDA graph after a
-warm-up (so host overhead is out and symmetric-memory workspaces are sized first), then the arms
-are replayed interleaved in a rotating order, `reps` times, each sample timed with CUDA events over
-`inner` replays. A sample is the slowest rank's time (an op is done when every rank is done).
-On CPU the same loop runs eagerly with wall-clock timers. Results are medians in milliseconds.
+warm-up (so host overhead is out and symmetric-memory workspaces are sized first), then in each of
+`reps` repetitions every arm runs once, in an order shuffled per repetition (seeded, recorded), each
+sample timed with CUDA events over `inner` replays. A sample is the slowest rank's time (an op is done
+when every rank is done). On CPU the same loop runs eagerly with wall-clock timers. Every raw sample is
+kept: bench/stats.py pairs them by repetition for the intervals.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 
-def allow_many_compiles() -> None:
-    """Benchmarks compile the same forward once per arm and phase: more than Dynamo's default
-    recompile limit, which would silently fall back to eager for the later arms."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+@contextlib.contextmanager
+def many_compiles(recompile_limit: int = 64, accumulated: int = 1024):
+    """Raise Dynamo's recompile limits while benchmarks compile one forward per arm and size class:
+    every arm's graphs of one module class share one code object's limit, and past it Dynamo runs the
+    later arms eagerly without a word (the compile reports would show "recompile limit")."""
+    config = torch._dynamo.config
+    with config.patch(
+        recompile_limit=max(config.recompile_limit, recompile_limit),
+        accumulated_recompile_limit=max(config.accumulated_recompile_limit, accumulated),
+    ):
+        yield
 
 
 @dataclass
 class ArmTiming:
-    """Timing of one arm: median and every sample in ms (each the slowest rank's), and the peak memory its
-    warm-up allocated on the GPU in bytes (0 on CPU)."""
+    """One arm's samples (ms per call, the slowest rank's, one per repetition in repetition order) and the
+    peak memory its warm-up allocated."""
 
-    median_ms: float
     samples_ms: list[float]
     peak_mem_bytes: int = 0
 
     @property
+    def median_ms(self) -> float:
+        """Median of the samples."""
+        return statistics.median(self.samples_ms)
+
+    @property
     def spread(self) -> float:
-        """Interquartile range over the median: how much to trust the median."""
-        if len(self.samples_ms) < 4:
+        """Interquartile range over the median (0 for fewer than 2 samples): how much to trust the median."""
+        if len(self.samples_ms) < 2 or not self.median_ms:
             return 0.0
-        q = statistics.quantiles(self.samples_ms, n=4)
-        return (q[2] - q[0]) / self.median_ms if self.median_ms else 0.0
+        q1, q3 = np.percentile(self.samples_ms, [25, 75])
+        return float((q3 - q1) / self.median_ms)
+
+
+class Timings(dict):
+    """{arm: ArmTiming}, with the arm order of every repetition (`orders`), the seed that shuffled them,
+    and each arm's runner (its CUDA graph's replay, or the callable on CPU) for a kernel check of what was timed."""
+
+    def __init__(self, arms: dict[str, ArmTiming], *, orders: list[list[str]], seed: int, runners: dict):
+        super().__init__(arms)
+        self.orders, self.seed, self.runners = orders, seed, runners
 
 
 def _max_over_ranks(values: list[float], group) -> list[float]:
@@ -58,6 +81,20 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
+def _capture(fn: Callable[[], Any], group) -> Callable[[], Any]:
+    """fn captured in a CUDA graph after one more warm-up on the capture stream; its replay."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    _barrier(group)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_arms(
     arms: dict[str, Callable[[], Any]],
     *,
@@ -66,9 +103,11 @@ def time_arms(
     warmup: int = 3,
     inner: int = 5,
     cuda_graphs: bool = True,
-) -> dict[str, ArmTiming]:
-    """Time each zero-argument arm as the module docstring describes: {name: ArmTiming}. `group` is the
-    process group whose ranks run the same arms (None: this process alone); cuda_graphs=False replays eagerly."""
+    seed: int = 0,
+) -> Timings:
+    """Every arm warmed up (and on CUDA captured in its own CUDA graph), then `reps` repetitions in each of
+    which every arm runs once, in an order shuffled per repetition by a generator seeded with `seed` (the
+    same on every rank); a sample is `inner` calls timed together, per call, the slowest rank's time."""
     names = list(arms)
     on_cuda = torch.cuda.is_available() and (group is None or dist.get_backend(group) == "nccl")
     peak: dict[str, int] = {n: 0 for n in names}
@@ -84,41 +123,32 @@ def time_arms(
         if on_cuda:
             torch.cuda.synchronize()
             peak[name] = torch.cuda.max_memory_allocated() - base
-        if on_cuda and cuda_graphs:
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()  # one more warm-up on the capture stream
-            torch.cuda.current_stream().wait_stream(stream)
-            _barrier(group)
-            with torch.cuda.graph(graph):
-                fn()
-            runners[name] = graph.replay
-        else:
-            runners[name] = fn
+        runners[name] = _capture(fn, group) if on_cuda and cuda_graphs else fn
         _barrier(group)
+    rng = random.Random(seed)
+    orders: list[list[str]] = []
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
+    for _ in range(reps):
+        order = names[:]
+        rng.shuffle(order)
+        orders.append(order)
         for name in order:
-            run = runners[name]
-            _barrier(group)
-            if on_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(inner):
-                    run()
-                end.record()
-                end.synchronize()
-                samples[name].append(start.elapsed_time(end) / inner)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    run()
-                samples[name].append((time.perf_counter() - t0) * 1e3 / inner)
-    out = {}
-    for name in names:
-        s = _max_over_ranks(samples[name], group)
-        out[name] = ArmTiming(statistics.median(s), s, peak[name])
-    return out
+            samples[name].append(_time(runners[name], inner, on_cuda, group))
+    out = {name: ArmTiming(_max_over_ranks(samples[name], group), peak[name]) for name in names}
+    return Timings(out, orders=orders, seed=seed, runners=runners)
+
+
+def _time(run: Callable[[], Any], inner: int, on_cuda: bool, group) -> float:
+    _barrier(group)
+    if on_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        run()
+    return (time.perf_counter() - t0) * 1e3 / inner

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from tpweave.cli.common import cached_table, model_config, rank_options
@@ -16,7 +15,12 @@ from tpweave.models.config import DTYPES
 def _settings(args: argparse.Namespace):
     from tpweave.bench.layer import BenchSettings
 
-    return BenchSettings(reps=args.num_iters, warmup=args.num_iters_warmup, inner=args.inner)
+    return BenchSettings(
+        reps=args.num_iters,
+        warmup=args.num_iters_warmup,
+        inner=args.inner,
+        verify=not getattr(args, "no_verify", False),
+    )
 
 
 def _out(args: argparse.Namespace, default_name: str) -> tuple[Path, str]:
@@ -52,53 +56,89 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def bench_layer_worker(ctx, model, dtype_name, tokens, settings, num_layers, with_ops):
-    """(layer rows [+ op rows], whether a calibration table was used)."""
+    """(layer rows [+ op rows], the record of bench_layers, the calibration table's JSON or None)."""
     from tpweave.bench.layer import bench_layers, bench_ops
 
     table = cached_table(model, ctx.world_size, dtype_name)
-    rows = bench_layers(
+    rows, record = bench_layers(
         ctx, model, tokens, dtype_name=dtype_name, num_layers=num_layers, settings=settings, table=table
     )
     if with_ops:
         rows += bench_ops(ctx, model, tokens, dtype_name=dtype_name, settings=settings)
-    return rows, table is not None
+    return rows, record, table.to_json() if table is not None else None
+
+
+def _finish(args, out: Path, name: str, meta: dict, rows: list, record: dict, table_json: str | None) -> int:
+    """Write the results with the record's provenance; print the failures; the exit status: 1 when a
+    kernel proof failed or an arm fell back (pass or Inductor failure, graph breaks, recompile limit)."""
+    from tpweave.bench.provenance import content_hash
+    from tpweave.bench.results import write_results
+
+    table = None
+    if table_json is not None:
+        table_file = out / f"{name}.table.json"
+        table_file.write_text(table_json)
+        table = {"sha256": content_hash(table_json), "file": table_file.name}
+    aa = [f"{r['tokens']}: {r['aa']['ratio']:.3f} [{r['aa']['lo']:.3f}, {r['aa']['hi']:.3f}]"
+          for r in rows if r.get("aa") and r["aa"]["flagged"]]  # fmt: skip
+    problems, fell_back = record["problems"], record["fallbacks"]
+    failures = "; ".join([*(f"kernel proof: {p}" for p in problems), *(f"fallback: {f}" for f in fell_back)]) or None
+    meta |= {
+        "calibrated": table is not None, "table": table, "orders": record["orders"], "kernels": record["kernels"],
+        "verification_problems": problems, "fallbacks": fell_back, "compile_reports": record["compile_reports"],
+        "aa": f"interval excludes 1.0 (FLAGGED) at M = {', '.join(aa)}" if aa else "every interval holds 1.0",
+        "failures": failures,
+    }  # fmt: skip
+    json_path, md_path = write_results(out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    if aa:
+        print(
+            f"A/A control FLAGGED (auto vs its own copy differs) at M = {', '.join(aa)}: "
+            "the run's noise is larger than the gains it can resolve"
+        )
+    if failures:
+        print(f"FAILED: {failures}")
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def cmd_bench_layer(args: argparse.Namespace) -> int:
     """Time layers (and ops unless --no-ops) per arm, print the layer table, write the results."""
-    from tpweave.bench.results import LAYER_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.bench.provenance import gpu_state
+    from tpweave.bench.results import LAYER_COLUMNS, markdown_table, run_metadata
 
     model_config(args)
     opts = rank_options(args)
     out, name = _out(args, f"layer-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     worker_args = (args.model, args.dtype, args.num_tokens, _settings(args), args.num_layers, not args.no_ops)
-    rows, calibrated = run_ranks(bench_layer_worker, *worker_args, opts=opts)[0]
+    gpus_start = gpu_state()
+    rows, record, table_json = run_ranks(bench_layer_worker, *worker_args, opts=opts)[0]
     meta = run_metadata(
-        {"model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.num_layers,
-         "calibrated": calibrated, "reps": args.num_iters, "inner": args.inner}
+        {"kind": "layer", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.num_layers,
+         "reps": args.num_iters, "inner": args.inner},
+        gpus_start=gpus_start,
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "layer"], LAYER_COLUMNS))
-    json_path, md_path = write_results(out, name, meta, rows)
-    print(f"wrote {json_path} and {md_path}")
-    return EXIT_OK
+    return _finish(args, out, name, meta, rows, record, table_json)
 
 
-def bench_latency_worker(ctx, model, dtype_name, num_layers, prefill, decode, settings, verify):
-    """(rows, kernels seen per arm, verification problems, whether a calibration table was used)."""
+def bench_latency_worker(ctx, model, dtype_name, num_layers, prefill, decode, settings):
+    """(rows, the record of bench_latency, the calibration table's JSON or None)."""
     from tpweave.bench.latency import bench_latency
 
     table = cached_table(model, ctx.world_size, dtype_name)
-    rows, kernels, problems = bench_latency(
+    rows, record = bench_latency(
         ctx, model, dtype_name=dtype_name, num_layers=num_layers, prefill=prefill, decode=decode,
-        settings=settings, table=table, verify=verify,
+        settings=settings, table=table,
     )  # fmt: skip
-    return rows, kernels, problems, table is not None
+    return rows, record, table.to_json() if table is not None else None
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    """Time prefill and decode of the whole model per arm and write the results; exit status 1 when the
-    kernel verification found an arm that did not run what it should."""
-    from tpweave.bench.results import DECODE_COLUMNS, PREFILL_COLUMNS, markdown_table, run_metadata, write_results
+    """Time prefill and decode of the whole model per arm and write the results; exit status 1 when a
+    kernel proof failed or an arm fell back."""
+    from tpweave.bench.provenance import gpu_state
+    from tpweave.bench.results import DECODE_COLUMNS, PREFILL_COLUMNS, markdown_table, run_metadata
 
     cfg = model_config(args)
     too_long = [f"{b}x{n}" for b, n in args.prefill + args.decode if n > cfg.max_position_embeddings]
@@ -109,46 +149,35 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         )
     opts = rank_options(args)
     out, name = _out(args, f"latency-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
-    worker_args = (
-        args.model,
-        args.dtype,
-        args.num_layers,
-        args.prefill,
-        args.decode,
-        _settings(args),
-        not args.no_verify,
-    )
-    rows, kernels, problems, calibrated = run_ranks(bench_latency_worker, *worker_args, opts=opts)[0]
-    failures = f"kernel verification failed: {'; '.join(problems)}" if problems else None
+    worker_args = (args.model, args.dtype, args.num_layers, args.prefill, args.decode, _settings(args))
+    gpus_start = gpu_state()
+    rows, record, table_json = run_ranks(bench_latency_worker, *worker_args, opts=opts)[0]
     meta = run_metadata(
         {"kind": "latency", "model": args.model, "tp": args.tp, "dtype": args.dtype,
-         "layers": args.num_layers or cfg.num_layers, "calibrated": calibrated, "reps": args.num_iters,
-         "inner": args.inner, "kernels": kernels, "verification_problems": problems, "failures": failures}
+         "layers": args.num_layers or cfg.num_layers, "reps": args.num_iters, "inner": args.inner},
+        gpus_start=gpus_start,
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "prefill"], PREFILL_COLUMNS))
     print(markdown_table([r for r in rows if r["what"] == "decode"], DECODE_COLUMNS))
-    json_path, md_path = write_results(out, name, meta, rows)
-    print(f"wrote {json_path} and {md_path}")
-    if problems:
-        print(f"FAILED: {failures}")
-        print("tpweave: kernel verification FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    return _finish(args, out, name, meta, rows, record, table_json)
 
 
 def bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, seed):
     """Each arm's engine through every (workload, rate): (rows, per-request records)."""
     from tpweave.bench.serve import release_engine, run_requests, summarize, warm_up
-    from tpweave.bench.timing import allow_many_compiles
+    from tpweave.bench.timing import many_compiles
     from tpweave.engine import LLMEngine
 
-    allow_many_compiles()
     rows, records = [], {}
     for arm in arms:
-        engine = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs)
-        warm_up(engine)
+        with many_compiles():
+            engine = LLMEngine(
+                ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs
+            )
+            warm_up(engine)
         for workload, rate, requests in workloads:
-            recs = run_requests(ctx, engine, requests, seed=seed)
+            with many_compiles():
+                recs = run_requests(ctx, engine, requests, seed=seed)
             records[f"{arm}/{workload}/{rate}"] = recs
             errors = sorted({r["error"] for r in recs if r["error"]})[:5]
             rows.append(

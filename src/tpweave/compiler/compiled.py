@@ -89,6 +89,8 @@ class CompiledTP:
     num_tokens_fn: Callable[[tuple], int] = field(default=lambda args: default_num_tokens(args))
     eager: Callable | None = None  # what runs when Dynamo cannot trace: the module or its bound method
     calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "plain": 0})
+    # (variant, M == 1) -> index in compile_report.graphs of the graph compiled when such an M first ran
+    graph_of: dict[tuple[str, bool], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.eager is None:
@@ -102,6 +104,11 @@ class CompiledTP:
     def variant_for(self, num_tokens: int) -> str:
         """ "sp" or "plain": the graph variant that serves M = num_tokens."""
         return "sp" if "sp" in self.variants and num_tokens >= self.sp_min_tokens else "plain"
+
+    def graph_report_for(self, num_tokens: int):
+        """The GraphReport of the graph that serves M = num_tokens (after a call with such an M), else None."""
+        index = self.graph_of.get((self.variant_for(num_tokens), num_tokens == 1))
+        return None if index is None else self.compile_report.graphs[index]
 
     def strategies_at(self, num_tokens: int) -> set[str]:
         """Strategy names the sites of the graph serving M = num_tokens may run (from the policies)."""
@@ -145,6 +152,7 @@ class CompiledTP:
                 out = self.eager(*args, **kwargs)
         compiled_now = self.compile_report.num_compiles - num_compiles_before
         if compiled_now:
+            self.graph_of.setdefault((variant, num_tokens == 1), len(self.compile_report.graphs) - 1)
             progress(
                 "compiled %d %s graph(s) for M=%d in %.1f s",
                 compiled_now,

@@ -73,6 +73,28 @@ def count_collectives(graph: fx.Graph) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+DISPATCHED = {
+    tpw.ag_mm.default: "ag_mm",
+    tpw.mm_rs.default: "mm_rs",
+    tpw.mm_rs_rms_norm.default: "mm_rs_rms_norm",
+    tpw.ag_scaled_mm.default: "ag_scaled_mm",
+    tpw.scaled_mm_rs.default: "scaled_mm_rs",
+    tpw.all_reduce.default: "all_reduce",
+    tpw.all_reduce_rms_norm.default: "all_reduce_rms_norm",
+}
+
+
+def dispatched_ops(graph: fx.Graph) -> list[tuple[str, str]]:
+    """(kind, policy) of every strategy-dispatched op (ops/dispatched_ops.py) in the graph, in order."""
+    out = []
+    for n in graph.nodes:
+        kind = DISPATCHED.get(n.target) if n.op == "call_function" else None
+        if kind is not None:
+            names = [a.name for a in n.target._schema.arguments]
+            out.append((kind, n.args[names.index("policy")]))
+    return out
+
+
 class GraphEditor:
     """Inserts call_function nodes and fills meta['val'] by running the op on the fake inputs
     (Inductor's later passes fail on nodes without it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class GraphReport:
     notes: list[str] = field(default_factory=list)
     counts_before: dict[str, int] = field(default_factory=dict)
     counts_after: dict[str, int] = field(default_factory=dict)
+    # (op kind, policy) of every strategy-dispatched op in the compiled graph, in graph order
+    dispatched: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
         """Record what became of the collective at `node` (shape, dtype and bytes per token row read from its fake
@@ -56,6 +59,17 @@ class GraphReport:
         """Bytes every token moves through the all-gathers the SP pass inserted (per forward)."""
         return sum(s.row_bytes or 0 for s in self.sites if s.kind == "all_gather" and s.action == "inserted")
 
+    def to_dict(self) -> dict:
+        """JSON-ready: variant, counts, dispatched ops, sites and notes."""
+        return {
+            "variant": self.variant,
+            "counts_before": self.counts_before,
+            "counts_after": self.counts_after,
+            "dispatched": [list(d) for d in self.dispatched],
+            "sites": [dataclasses.asdict(s) for s in self.sites],
+            "notes": list(self.notes),
+        }
+
     def __str__(self) -> str:
         lines = [f"[{self.variant}] collectives before: {self.counts_before}  after: {self.counts_after}"]
         if self.gathered_bytes_per_token:
@@ -75,6 +89,24 @@ class CompileReport:
     table: str = ""  # which calibration table the policies come from, in words
     notes: list[str] = field(default_factory=list)  # about the whole model, e.g. nothing was compiled
     recompile_limit_hit_in: list[str] = field(default_factory=list)  # functions Dynamo stopped compiling
+
+    def to_dict(self) -> dict:
+        """JSON-ready: every graph's report, notes, the SP boundary, the table, recompile limits reached."""
+        return {
+            "num_compiles": self.num_compiles,
+            "sp_min_tokens": self.sp_min_tokens,
+            "table": self.table,
+            "notes": list(self.notes),
+            "recompile_limit_hit_in": list(self.recompile_limit_hit_in),
+            "graphs": [g.to_dict() for g in self.graphs],
+        }
+
+    def fallbacks(self) -> list[str]:
+        """Everything that makes this model run other than as compiled by tpweave: a pass or Inductor
+        failure, no graph traced, graph breaks, a reached recompile limit (the notes that say so)."""
+        words = ("failed", "runs eagerly", "uncompiled", "recompile limit", "graph breaks")
+        notes = [*self.notes, *(n for g in self.graphs for n in g.notes)]
+        return [n for n in notes if any(w in n for w in words)]
 
     def headline(self) -> str:
         """'tpweave report: N graph(s) compiled; ...which graph serves which M; calibration table: ...'."""

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel
-from tpweave.compiler.graph_utils import count_collectives
+from tpweave.compiler.graph_utils import count_collectives, dispatched_ops
 from tpweave.compiler.options import CompilePlan, PassOptions
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.tp_group import TPGroup
@@ -63,6 +63,7 @@ class TPWeavePass(CustomGraphPass):
             allreduce.route_all_reduces(graph, self.tp, policy_for=policy_for, report=report)
         graph.lint()
         report.counts_after = count_collectives(graph)
+        report.dispatched = dispatched_ops(graph)
 
     def uuid(self) -> bytes:
         """A hash of the passes' sources and of this pass's options (Inductor's cache key)."""

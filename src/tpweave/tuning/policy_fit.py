@@ -29,13 +29,14 @@ def policy_from_op_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def sp_min_from_layer_rows(rows: list[dict[str, Any]]) -> int:
-    """Smallest grid M from which the SP graph is no slower than the plain graph at every larger M."""
+    """Smallest grid M from which the SP graph ("auto" with SP forced) is no slower than the best plain
+    graph ("plain_best") at every larger M."""
     by_m: dict[int, dict[str, float]] = defaultdict(dict)
     for r in rows:
         by_m[r["tokens"]][r["arm"]] = r["ms_per_layer"]
     sp_min = NEVER
     for m in sorted(by_m, reverse=True):
-        if by_m[m]["auto"] <= by_m[m]["baseline"]:
+        if by_m[m]["auto"] <= by_m[m]["plain_best"]:
             sp_min = m
         else:
             break

@@ -1,0 +1,134 @@
+"""The arms every benchmark times in one run, and the rows, ratios and proofs made from their timings.
+
+Arms (each compiled separately, strict: a pass failure fails the run):
+- plain_nccl: plain TP, the model's NCCL all-reduces, Inductor's own add + norm (PLAIN_TP).
+- plain_best: what torch gives without tpweave: the plain TP graph with, per M, the fastest of
+  NCCL, torch's symm-mem one-shot and two-shot all-reduce (the candidates plain_nccl, plain_one_shot,
+  plain_two_shot are all timed; plain_best is the fastest at each M), Inductor's own add + norm.
+- sp_seq: sequence parallel with plain collectives; sp_fused: SP + torch's fused AG+MM / MM+RS.
+- auto: tpweave as users run it (the calibrated table); auto_aa: auto compiled and captured a second
+  time, the A/A control: any difference between auto and auto_aa is the harness's noise or bias.
+- compute_only: the same shards without any communication: the limit.
+
+Headline ratios are auto vs plain_best, with auto vs plain_nccl beside them; every ratio carries a
+95% interval (bench/stats.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tpweave import compiler
+from tpweave.bench.kernels import expected_comm, profile_kernels, prove
+from tpweave.bench.stats import aa_check, median, paired_ratio
+from tpweave.compiler import PLAIN_TP, CompileOptions
+from tpweave.ops.strategies import STRATEGIES
+
+PLAIN_ALL_REDUCES = {
+    "plain_nccl": "sequential",
+    "plain_one_shot": "symm_mem_one_shot",
+    "plain_two_shot": "symm_mem_two_shot",
+}
+ARMS = ("plain_best", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only")
+
+
+def plain_candidates(probe: torch.Tensor) -> dict[str, str]:
+    """The plain arms whose all-reduce can run for tensors like `probe` (NCCL always)."""
+    return {arm: name for arm, name in PLAIN_ALL_REDUCES.items() if STRATEGIES[name].available(probe)}
+
+
+def arm_options(arm: str, *, table, fused: str, auto_sp: bool | None = None) -> CompileOptions:
+    """The compile options of an arm (compute_only: those of a plain graph of the communication-free twin)."""
+    if arm in PLAIN_ALL_REDUCES:
+        return PLAIN_TP.replace({"all_reduce_policy": PLAIN_ALL_REDUCES[arm], "strict": True})
+    options = {
+        "sp_seq": CompileOptions(sp=True, sp_min_tokens=0, async_tp=False, table=None, strict=True),
+        "sp_fused": CompileOptions(
+            sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None, strict=True
+        ),
+        "auto": CompileOptions(sp=auto_sp, table=table, strict=True),
+        "auto_aa": CompileOptions(sp=auto_sp, table=table, strict=True),
+        "compute_only": CompileOptions(sp=False, table=None, strict=True),
+    }
+    return options[arm]
+
+
+def compile_arms(
+    module: torch.nn.Module, compute_module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, table,
+    arms: tuple[str, ...] = ARMS, auto_sp: bool | None = None,
+) -> dict[str, compiler.CompiledTP]:  # fmt: skip
+    """{timed arm: compiled module}; plain_best expands into its available candidates."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    fused = "symm_mem_fused" if STRATEGIES["symm_mem_fused"].available(probe) else "sequential"
+    if device.type == "cuda" and fused != "symm_mem_fused":
+        raise RuntimeError("torch's symm_mem fused ops are not available: the sp_fused arm would not measure them")
+    timed = [a for arm in arms for a in (plain_candidates(probe) if arm == "plain_best" else [arm])]
+    return {
+        arm: compiler.compile(compute_module if arm == "compute_only" else module,
+                              options=arm_options(arm, table=table, fused=fused, auto_sp=auto_sp))
+        for arm in timed
+    }  # fmt: skip
+
+
+def arm_rows(timings, *, scale: float = 1.0, key: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
+    """One row per timed arm and one for plain_best: medians (x scale), raw samples, the ratio to plain_best
+    and to plain_nccl with 95% intervals, the share of plain_best's communication hidden, and on auto's
+    row the A/A control."""
+    candidates = [a for a in PLAIN_ALL_REDUCES if a in timings]
+    best = min(candidates, key=lambda a: timings[a].median_ms) if candidates else None
+    samples = {arm: t.samples_ms for arm, t in timings.items()}
+    if best is not None:
+        samples["plain_best"] = samples[best]
+    comp = median(samples["compute_only"]) if "compute_only" in samples else None
+    rows = []
+    for arm, s in samples.items():
+        t_arm = median(s)
+        row = {**key, "arm": arm, "ms": t_arm * scale, "samples_ms": [v * scale for v in s],
+               "spread": timings[best if arm == "plain_best" else arm].spread,
+               "peak_mem_bytes": timings[best if arm == "plain_best" else arm].peak_mem_bytes}  # fmt: skip
+        if arm == "plain_best":
+            row["chosen"] = best
+        for base in ("plain_best", "plain_nccl"):
+            if base in samples:
+                row[f"vs_{base}"] = paired_ratio(samples[base], s, seed=seed).to_dict()
+        if "plain_best" in samples and comp is not None:
+            gap = median(samples["plain_best"]) - comp
+            row["hidden"] = (median(samples["plain_best"]) - t_arm) / gap if gap > 0 else None
+            row["of_compute_only"] = comp / t_arm
+        if arm == "auto" and "auto_aa" in samples:
+            row["aa"] = aa_check(samples["auto"], samples["auto_aa"], seed=seed)
+        rows.append(row)
+    return rows
+
+
+def prove_arms(
+    compiled: dict[str, compiler.CompiledTP], runners: dict[str, Callable], num_tokens: int, *, probe: torch.Tensor
+) -> tuple[dict[str, Any], list[str]]:
+    """Profile every arm's timed runner (its CUDA graph) at this M and check its communication kernels
+    against its sites' choices (bench/kernels.py). ({arm: kernels seen}, problems); nothing on CPU."""
+    kernels, problems = {}, []
+    if probe.device.type != "cuda":
+        return kernels, problems
+    for arm, runner in runners.items():
+        seen = profile_kernels(runner)
+        kernels[arm] = seen
+        graph = compiled[arm].graph_report_for(num_tokens)
+        if graph is None:
+            problems.append(f"M={num_tokens} {arm}: no compiled graph serves this M (it ran uncompiled)")
+            continue
+        expected = expected_comm(graph.to_dict(), num_tokens, available=lambda n: STRATEGIES[n].available(probe))
+        problems += [f"M={num_tokens} {p}" for p in prove(arm, seen["per_call"], expected)]
+    return kernels, problems
+
+
+def fallbacks(compiled: dict[str, compiler.CompiledTP]) -> list[str]:
+    """Every arm's compile fallbacks (a pass or Inductor failure, graph breaks, a reached recompile limit)."""
+    return [f"{arm}: {note}" for arm, c in compiled.items() for note in c.compile_report.fallbacks()]
+
+
+def compile_reports(compiled: dict[str, compiler.CompiledTP]) -> dict[str, dict]:
+    """Each arm's compile report, JSON-ready."""
+    return {arm: c.compile_report.to_dict() for arm, c in compiled.items()}
