@@ -41,7 +41,7 @@ step() {
             echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
             tpw bench latency "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/latency.log" | tail -5 ;;
         serve8b)
-            local args=(--model llama3-8b -tp 2 --arms baseline,auto --workload prefill-heavy --request-rate inf --num-prompts 16
+            local args=(--model llama3-8b -tp 2 --arms baseline,auto --workload azure-code --request-rate inf --num-prompts 16
                         --max-num-seqs 64 --max-num-batched-tokens 8192 --max-model-len 8192)
             echo "tpweave bench serve ${args[*]}" >> "$dir/commands.txt"
             tpw bench serve "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/serve.log" | tail -5 ;;

@@ -84,16 +84,23 @@ def test_serve_cli_accounts_for_every_request(tmp_path, capsys):
                 "128",
                 "--block-size",
                 "4",
+                "--rounds",
+                "2",
                 "--output-dir",
                 str(tmp_path),
             ]
         )
         == 0
     )
-    rows = json.loads((tmp_path / "serve-tiny-tp2-float32.json").read_text())["rows"]
+    data = json.loads((tmp_path / "serve-tiny-tp2-float32.json").read_text())
+    rows = data["rows"]
     assert [r["arm"] for r in rows] == ["baseline", "auto"]
+    assert len(data["meta"]["orders"]) == 2 and all(
+        sorted(o[1:]) == ["auto", "baseline"] for o in data["meta"]["orders"]
+    )
     for r in rows:
-        assert (r["num_requests"], r["num_finished"], r["num_failed"]) == (5, 3, 2)
+        assert r["rounds"] == 2 and len(r["output_token_throughput_rounds"]) == 2
+        assert (r["num_requests"], r["num_finished"], r["num_failed"], r["num_lost"]) == (10, 6, 4, 0)
         assert any("empty prompt" in e for e in r["errors"]) and any("does not fit" in e for e in r["errors"])
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0 and r["output_token_throughput"] > 0
 
@@ -124,9 +131,60 @@ def test_summary_percentiles():
         {"arrival_s": 0.1, "input_len": 4, "output_len": 1, "token_times": [], "error": "rejected"},
     ]
     s = summarize(recs)
-    assert s["num_finished"] == 1 and s["num_failed"] == 1
+    assert s["num_finished"] == 1 and s["num_failed"] == 1 and s["num_lost"] == 0
+    assert s["ttft_ms_p50_ci"] == [pytest.approx(100), pytest.approx(100)]
     assert s["ttft_ms_p50"] == pytest.approx(100) and s["tpot_ms_p50"] == pytest.approx(150)
     assert s["itl_ms_p99"] == pytest.approx(200, rel=0.02) and s["duration_s"] == pytest.approx(0.4)
+
+
+class _LosingEngine:
+    """A fake engine whose scheduler silently drops the second request: it never finishes nor fails."""
+
+    vocab_size = 100
+
+    def __init__(self):
+        from tpweave.engine import Sequence
+
+        self.Sequence, self.seqs, self.scheduler = Sequence, [], self
+
+    def add_request(self, prompt, params):
+        seq = self.Sequence(prompt, params)
+        self.seqs.append(seq)
+        return seq
+
+    def has_unfinished(self):
+        return any(s.finish_reason is None for i, s in enumerate(self.seqs) if i != 1)
+
+    def step(self):
+        for i, seq in enumerate(self.seqs):
+            if i != 1 and seq.finish_reason is None:
+                seq.output_token_ids.append(1)
+                if len(seq.output_token_ids) >= seq.params.max_tokens:
+                    seq.finish_reason = "length"
+
+
+def test_a_planted_lost_request_is_counted_as_lost():
+    """Lost = sent, then neither finished nor failed: counted on its own, never as records minus finished."""
+    import tpweave
+    from tpweave.bench.serve import run_requests
+
+    requests = [Request(0.0, 3, 2), Request(0.0, 4, 2), Request(0.0, 5, 1)]
+    records = run_requests(tpweave.TPContext.single(), _LosingEngine(), requests, seed=0)
+    s = summarize(records, num_sent=4)  # and one request that never even got a record
+    assert (s["num_requests"], s["num_finished"], s["num_failed"], s["num_lost"]) == (4, 2, 0, 2)
+    assert [r.get("lost", False) for r in records] == [False, True, False]
+
+
+def test_workloads_follow_their_published_statistics():
+    from tpweave.bench.serve import WORKLOADS
+
+    reqs = poisson_requests(num_requests=4000, rate=float("inf"), lengths=WORKLOADS["azure-code"], seed=1)
+    inputs, outputs = sorted(r.input_len for r in reqs), sorted(r.output_len for r in reqs)
+    assert 1350 < inputs[2000] < 1650 and 11 <= outputs[2000] <= 15  # medians 1500 and 13
+    assert all(r.arrival_s == 0.0 for r in reqs)
+    share = poisson_requests(num_requests=4000, rate=10.0, lengths=WORKLOADS["sharegpt"], seed=1, max_total=1024)
+    assert 140 < sum(r.input_len for r in share) / 4000 < 175  # mean 161 (clipped a little)
+    assert all(r.input_len + r.output_len <= 1023 for r in share)
 
 
 def test_kernel_categories_and_checks():

@@ -89,7 +89,7 @@ def test_help_documents_every_option():
             continue
         assert action.help, f"{path} {action.option_strings or action.dest} has no help text"
     code, out, _, _ = tpweave("bench", "serve", "--help")
-    assert code == 0 and "(default: 2,8)" in out and "requests per second" in out and "--num-prompts" in out
+    assert code == 0 and "(default: 2,8,32,inf)" in out and "requests per second" in out and "--num-prompts" in out
     for cmd in (["--help"], ["bench", "--help"]):
         code, out, _, _ = tpweave(*cmd)
         assert code == 0 and "bench_cmd" not in out and "{demo" not in out

@@ -76,25 +76,9 @@ PREFILL_COLUMNS = ["batch", "input_len", "tokens", "arm", "ms", *RATIO_COLUMNS, 
                    "peak_mem_bytes", "variant", "chosen"]  # fmt: skip
 DECODE_COLUMNS = ["batch", "context", "arm", "ms", *RATIO_COLUMNS, "hidden", "of_compute_only", "spread", "variant",
                   "chosen"]  # fmt: skip
-SERVE_COLUMNS = [
-    "workload",
-    "rate",
-    "arm",
-    "num_finished",
-    "num_failed",
-    "request_throughput",
-    "output_token_throughput",
-    "total_token_throughput",
-    "vs_baseline",
-    "ttft_ms_p50",
-    "ttft_ms_p90",
-    "ttft_ms_p99",
-    "tpot_ms_p50",
-    "tpot_ms_p90",
-    "tpot_ms_p99",
-    "itl_ms_p50",
-    "itl_ms_p99",
-]
+SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_failed", "num_lost", "request_throughput",
+                 "output_token_throughput", "vs_baseline", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+                 "itl_ms_p50", "itl_ms_p99"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (

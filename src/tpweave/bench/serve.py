@@ -11,24 +11,49 @@ from __future__ import annotations
 import csv
 import gc
 import json
+import math
 import random
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tpweave.runtime.context import TPContext
 
-# (input length range, output length range), uniform within each range
-WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "prefill-heavy": ((1024, 4096), (8, 32)),
-    "decode-heavy": ((64, 256), (128, 512)),
-    "mixed": ((256, 2048), (32, 256)),
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Lognormal token lengths with this median and log-space sigma, rounded and clipped to [lo, hi]."""
+
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    @classmethod
+    def from_mean(cls, mean: float, sigma: float, lo: int, hi: int) -> LengthDist:
+        """The lognormal whose mean is `mean` (median = mean * exp(-sigma^2 / 2))."""
+        return cls(mean * math.exp(-(sigma**2) / 2), sigma, lo, hi)
+
+    def draw(self, rng: random.Random) -> int:
+        """One length."""
+        return int(min(max(round(rng.lognormvariate(math.log(self.median), self.sigma)), self.lo), self.hi))
+
+
+# Workloads: (input lengths, output lengths), lognormal around published statistics. The sigma (spread)
+# is ours: the sources give central values. Azure LLM inference trace 2023 as reported by Splitwise
+# (Patel et al., ISCA 2024): coding prompts median 1500 tokens, outputs median 13; conversation prompts
+# median 1020, outputs median 129. ShareGPT as used by vLLM (Kwon et al., SOSP 2023): mean input 161,
+# mean output 338 tokens.
+WORKLOADS: dict[str, tuple[LengthDist, LengthDist]] = {
+    "azure-code": (LengthDist(1500, 0.8, 16, 8000), LengthDist(13, 0.8, 1, 512)),
+    "azure-conv": (LengthDist(1020, 0.8, 16, 8000), LengthDist(129, 0.8, 1, 1024)),
+    "sharegpt": (LengthDist.from_mean(161, 1.0, 4, 4000), LengthDist.from_mean(338, 1.0, 1, 2048)),
 }
 
 
@@ -43,18 +68,26 @@ class Request:
 
 
 def poisson_requests(
-    *, num_requests: int, rate: float, lengths: tuple[tuple[int, int], tuple[int, int]], seed: int
+    *, num_requests: int, rate: float, lengths, seed: int, max_total: int | None = None
 ) -> list[Request]:
-    """`num_requests` requests arriving as a Poisson process of `rate` per second, lengths uniform within
-    the (input, output) ranges of `lengths`; deterministic for a given `seed`."""
+    """num_requests Poisson arrivals at `rate` per second (inf: all at time 0). lengths: (input, output),
+    each a LengthDist or a (lo, hi) range drawn uniformly; max_total - 1 caps input + output (the output
+    first to max_total - 2, then the input: a context length, minus room for one new token)."""
     if rate <= 0 or num_requests < 1:
         raise ValueError(f"need rate > 0 and num_requests >= 1, got {rate}, {num_requests}")
     rng = random.Random(seed)
-    (in_lo, in_hi), (out_lo, out_hi) = lengths
+
+    def draw(dist) -> int:
+        return dist.draw(rng) if isinstance(dist, LengthDist) else rng.randint(*dist)
+
     t, out = 0.0, []
     for _ in range(num_requests):
-        t += rng.expovariate(rate)
-        out.append(Request(t, rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)))
+        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        input_len, output_len = draw(lengths[0]), draw(lengths[1])
+        if max_total is not None:
+            output_len = max(1, min(output_len, max_total - 2))
+            input_len = max(1, min(input_len, max_total - 1 - output_len))
+        out.append(Request(t, input_len, output_len))
     return out
 
 
@@ -87,18 +120,31 @@ def load_requests(path: str | Path, *, rate: float, seed: int) -> list[Request]:
     return sorted(out, key=lambda r: r.arrival_s)
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
+PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
+
+
+def _percentiles(values: list[float], *, seed: int = 0) -> dict[str, Any]:
+    """p50 / p90 / p99 of the values and, for each, a 95% bootstrap interval over the values."""
+    out: dict[str, Any] = {}
     if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    if len(values) == 1:
-        return {"p50": values[0], "p90": values[0], "p99": values[0]}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": statistics.median(values), "p90": q[89], "p99": q[98]}
+        return {**{p: None for p in PERCENTILES}, **{f"{p}_ci": None for p in PERCENTILES}}
+    arr = np.asarray(values, dtype=float)
+    boots = arr[np.random.default_rng(seed).integers(0, len(arr), size=(1000, len(arr)))]
+    for p, q in PERCENTILES.items():
+        out[p] = float(np.percentile(arr, q))
+        lo, hi = np.percentile(np.percentile(boots, q, axis=1), [2.5, 97.5])
+        out[f"{p}_ci"] = [float(lo), float(hi)]
+    return out
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Latency percentiles (ms) and throughputs from per-request records."""
-    done = [r for r in records if r["error"] is None]
+def summarize(records: list[dict[str, Any]], *, num_sent: int | None = None) -> dict[str, Any]:
+    """Latency percentiles (ms, with 95% intervals) and throughputs from per-request records. Finished,
+    failed (an error) and lost (sent, then neither finished nor failed: no record, or one marked lost) are
+    counted each on its own; they add up to num_sent only when nothing is missing."""
+    done = [r for r in records if r["error"] is None and not r.get("lost")]
+    failed = [r for r in records if r["error"] is not None]
+    lost = [r for r in records if r.get("lost")]
+    num_sent = len(records) if num_sent is None else num_sent
     ttft = [1e3 * (r["token_times"][0] - r["arrival_s"]) for r in done if r["token_times"]]
     tpot = [
         1e3 * (r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1)
@@ -106,15 +152,16 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if len(r["token_times"]) > 1
     ]
     itl = [1e3 * (b - a) for r in done for a, b in zip(r["token_times"], r["token_times"][1:])]
-    start = min(r["arrival_s"] for r in records)
+    start = min((r["arrival_s"] for r in records), default=0.0)
     end = max((r["token_times"][-1] for r in done if r["token_times"]), default=start)
     duration = max(end - start, 1e-9)
     out_tokens = sum(len(r["token_times"]) for r in done)
     in_tokens = sum(r["input_len"] for r in done)
     summary = {
-        "num_requests": len(records),
+        "num_requests": num_sent,
         "num_finished": len(done),
-        "num_failed": len(records) - len(done),
+        "num_failed": len(failed),
+        "num_lost": len(lost) + (num_sent - len(records)),
         "duration_s": duration,
         "request_throughput": len(done) / duration,
         "output_token_throughput": out_tokens / duration,
@@ -124,6 +171,37 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         for p, v in _percentiles(values).items():
             summary[f"{name}_{p}"] = v
     return summary
+
+
+def serve_rows(
+    records: dict[tuple, list[dict[str, Any]]], sent: dict[tuple, int], *, arms: list[str], rounds: int
+) -> list[dict[str, Any]]:
+    """One row per (workload, rate, arm) from records keyed (arm, workload, rate, round): latency
+    percentiles over every round's requests (95% intervals), throughputs as the median over rounds, the
+    output-throughput ratio to the first arm with its 95% interval (paired by round), and finished /
+    failed / lost counts over all rounds."""
+    from tpweave.bench.stats import paired_ratio
+
+    rows = []
+    for (workload, rate), num in sent.items():
+        per_arm = {}
+        for arm in arms:
+            recs = [records[(arm, workload, rate, rnd)] for rnd in range(rounds)]
+            per_round = [summarize(r, num_sent=num) for r in recs]
+            pooled = summarize([x for r in recs for x in r], num_sent=num * rounds)
+            row = {"what": "serve", "workload": workload, "rate": rate, "arm": arm, "rounds": rounds, **pooled}
+            for key in ("request_throughput", "output_token_throughput", "total_token_throughput"):
+                row[key] = float(np.median([p[key] for p in per_round]))
+                row[f"{key}_rounds"] = [p[key] for p in per_round]
+            row.pop("duration_s")
+            row["errors"] = sorted({x["error"] for r in recs for x in r if x["error"]})[:5]
+            per_arm[arm] = row
+        base = per_arm[arms[0]]["output_token_throughput_rounds"]
+        for row in per_arm.values():
+            ratio = paired_ratio(row["output_token_throughput_rounds"], base) if all(base) else None
+            row["vs_baseline"] = ratio.to_dict() if ratio is not None else None
+            rows.append(row)
+    return rows
 
 
 class _Clock:
@@ -183,12 +261,16 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
         engine.step()
         t = clock.now()
         still = []
+        idle = not engine.scheduler.has_unfinished()
         for seq, rec in active:
             rec["token_times"] += [t] * (len(seq.output_token_ids) - len(rec["token_times"]))
             if seq.error is not None:
                 rec["error"] = seq.error
             elif seq.finish_reason is None:
-                still.append((seq, rec))
+                if idle:  # the engine holds nothing more, yet this request never ended: lost
+                    rec["lost"] = True
+                else:
+                    still.append((seq, rec))
         if progress is not None:
             progress.update(len(active) - len(still))
         active = still

@@ -162,34 +162,37 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return _finish(args, out, name, meta, rows, record, table_json)
 
 
-def bench_serve_worker(ctx, model, dtype_name, arms, workloads, engine_kwargs, seed):
-    """Each arm's engine through every (workload, rate): (rows, per-request records)."""
-    from tpweave.bench.serve import release_engine, run_requests, summarize, warm_up
+def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed, rounds):
+    """Every arm's engine built side by side (GPU memory split between them), then `rounds` rounds in
+    each of which every (workload, rate) cell runs on every arm, the arms in an order shuffled per cell
+    and round (seeded). (rows per (cell, arm), records per (arm, cell, round), the orders)."""
+    import random
+
+    from tpweave.bench.serve import release_engine, run_requests, serve_rows, warm_up
     from tpweave.bench.timing import many_compiles
     from tpweave.engine import LLMEngine
 
-    rows, records = [], {}
-    for arm in arms:
-        with many_compiles():
-            engine = LLMEngine(
-                ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline", **engine_kwargs
-            )
-            warm_up(engine)
-        for workload, rate, requests in workloads:
-            with many_compiles():
-                recs = run_requests(ctx, engine, requests, seed=seed)
-            records[f"{arm}/{workload}/{rate}"] = recs
-            errors = sorted({r["error"] for r in recs if r["error"]})[:5]
-            rows.append(
-                {"what": "serve", "workload": workload, "rate": rate, "arm": arm, **summarize(recs), "errors": errors}
-            )
+    engines = {}
+    for i, arm in enumerate(arms):
+        with many_compiles():  # each engine's KV cache from its share of what the previous ones left
+            share = {"gpu_memory_utilization": 0.9 * (i + 1) / len(arms)}
+            engines[arm] = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline",
+                                     **share, **engine_kwargs)  # fmt: skip
+            warm_up(engines[arm])
+    rng = random.Random(seed)
+    records, orders = {}, []
+    for rnd in range(rounds):
+        for workload, rate, requests in cells:
+            order = arms[:]
+            rng.shuffle(order)
+            orders.append([f"{workload}/{rate}", *order])
+            for arm in order:
+                with many_compiles():
+                    records[(arm, workload, rate, rnd)] = run_requests(ctx, engines[arm], requests, seed=seed + rnd)
+    for engine in engines.values():
         release_engine(engine)
-        engine = None  # noqa: F841  (drop the last reference before the next arm allocates)
-    for r in rows:
-        base = next(b for b in rows if b["arm"] == arms[0] and (b["workload"], b["rate"]) == (r["workload"], r["rate"]))
-        base_tp = base["output_token_throughput"]
-        r["vs_baseline"] = r["output_token_throughput"] / base_tp if base_tp else None
-    return rows, records
+    rows = serve_rows(records, {(w, r): len(reqs) for w, r, reqs in cells}, arms=arms, rounds=rounds)
+    return rows, orders
 
 
 def _workloads(args: argparse.Namespace) -> list:
@@ -209,57 +212,53 @@ def _workloads(args: argparse.Namespace) -> list:
                 raise CLIError(
                     f"--workload {name!r}: choose from {', '.join(sorted(WORKLOADS))}, or give --dataset-path"
                 )
-            lengths = WORKLOADS[name]
-            workloads.append(
-                (
-                    name,
-                    rate,
-                    poisson_requests(num_requests=args.num_prompts, rate=rate, lengths=lengths, seed=args.seed),
-                )
-            )
+            requests = poisson_requests(num_requests=args.num_prompts, rate=rate, lengths=WORKLOADS[name],
+                                        seed=args.seed, max_total=args.max_model_len)  # fmt: skip
+            workloads.append((name, rate, requests))
     return workloads
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """Serve the workloads through each arm's engine; exit status 1 when a cell lost a request or when
-    every request of a cell failed."""
+    """Serve the workloads through each arm's engine over interleaved rounds; exit status 1 when a cell
+    lost a request or when every request of a cell failed."""
+    from tpweave.bench.provenance import gpu_state
     from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
 
     cfg = model_config(args, **({"num_layers": args.num_layers} if args.num_layers else {}))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or any(a not in ("baseline", "auto") for a in arms):
-        raise CLIError(f"--arms takes baseline and/or auto, got {args.arms!r}")
-    workloads = _workloads(args)
+    if not arms or any(a not in ("baseline", "auto") for a in arms) or len(set(arms)) != len(arms):
+        raise CLIError(f"--arms takes baseline and/or auto, each once, got {args.arms!r}")
+    cells = _workloads(args)
     opts = rank_options(args)
     out, name = _out(args, f"serve-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                      "max_model_len": args.max_model_len, "block_size": args.block_size}  # fmt: skip
     if args.num_layers:
         engine_kwargs["num_layers"] = args.num_layers
-    rows, _ = run_ranks(
-        bench_serve_worker, args.model, args.dtype, arms, workloads, engine_kwargs, args.seed, opts=opts
-    )[0]
+    gpus_start = gpu_state()
+    worker_args = (args.model, args.dtype, arms, cells, engine_kwargs, args.seed, args.rounds)
+    rows, orders = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
     failures = _serve_failures(rows)
     meta = run_metadata(
         {"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
-         "num_requests": args.num_prompts, "failures": failures, **engine_kwargs}
+         "num_requests": args.num_prompts, "rounds": args.rounds, "orders": orders, "failures": failures,
+         **engine_kwargs},
+        gpus_start=gpus_start,
     )  # fmt: skip
     print(markdown_table(rows, SERVE_COLUMNS))
     json_path, md_path = write_results(out, name, meta, rows)
     print(f"wrote {json_path} and {md_path}")
     if failures:
         print(f"FAILED: {failures}")
-    lost_or_all_failed = any(
-        r["num_finished"] + r["num_failed"] != r["num_requests"] or not r["num_finished"] for r in rows
-    )
-    return EXIT_FAILED if lost_or_all_failed else EXIT_OK
+    broken = any(r["num_lost"] or not r["num_finished"] for r in rows)
+    return EXIT_FAILED if broken else EXIT_OK
 
 
 def _serve_failures(rows: list[dict]) -> str | None:
     """One line of the failed and lost requests per cell, None when every request finished."""
     parts = []
     for r in rows:
-        lost = r["num_requests"] - r["num_finished"] - r["num_failed"]
+        lost = r["num_lost"]
         if r["num_failed"] or lost:
             cell = f"{r['arm']}/{r['workload']}/rate {r['rate']}"
             what = f"{r['num_failed']} of {r['num_requests']} requests failed" + (f", {lost} lost" if lost else "")

@@ -253,9 +253,11 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     serve.add_argument("--arms", default="baseline,auto", help="comma-separated: baseline (plain TP), auto (tpweave)")
     serve.add_argument(
         "--workload",
-        default="prefill-heavy,decode-heavy,mixed",
-        help="comma-separated named workloads (input/output lengths): prefill-heavy (1024-4096 in, 8-32 out), "
-        "decode-heavy (64-256 in, 128-512 out), mixed (256-2048 in, 32-256 out)",
+        default="azure-code,azure-conv,sharegpt",
+        help="comma-separated named workloads, lognormal lengths around published statistics: azure-code "
+        "(prompt median 1500, output median 13 tokens: prefill-heavy), azure-conv (1020 / 129), both from the "
+        "Azure LLM inference trace 2023 (Splitwise, ISCA 2024); sharegpt (mean 161 / 338: decode-heavy, vLLM's "
+        "SOSP 2023 statistics)",
     )
     serve.add_argument(
         "--dataset-path",
@@ -265,9 +267,15 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
         help="JSON list or CSV of requests with input_len, output_len[, arrival_s] (replaces --workload)",
     )
     serve.add_argument(
-        "--request-rate", type=rates, default="2,8", help="requests per second, comma-separated; inf: all at once"
+        "--request-rate",
+        type=rates,
+        default="2,8,32,inf",
+        help="requests per second, comma-separated, a sweep up to saturation; inf: all at once",
     )
-    serve.add_argument("--num-prompts", type=positive_int, default=64, help="requests per workload and rate")
+    serve.add_argument("--num-prompts", type=positive_int, default=200, help="requests per workload, rate and round")
+    serve.add_argument(
+        "--rounds", type=positive_int, default=3, help="rounds over every cell, the arms interleaved in each"
+    )
     serve.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step at most")
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="tokens per step at most")
     serve.add_argument("--max-model-len", type=positive_int, default=8192, help="context length (tokens)")
