@@ -1,7 +1,7 @@
 """Compiler passes through the real Inductor backend on gloo ranks: graph before/after and numbers
-against eager TP and the unsharded (TP=1) model, for every token count. Graphs: one for every M >= 2,
-one for M = 1 (a size-1 dim stays static: see compiler/dynamic.py), and at most one more where a
-token shard has one row (Inductor guards that size, e.g. M = 2 at TP = 2)."""
+against eager TP and the unsharded (TP=1) model, for every token count. Graphs: one for every M >= 2
+(2 <= M <= TP included: shards have at least 2 rows, ops/collectives.py `shard_rows`), one for M = 1
+(a size-1 dim stays static: see compiler/dynamic.py)."""
 
 import pytest
 import torch
@@ -199,6 +199,24 @@ def test_batch_seq_model_graphs_and_inductor_failure_fallbacks():
         "Inductor failed ... compiling without our passes",
         "Inductor failed without our passes too ... running this graph uncompiled",
     ], notes
+
+
+ONE_ROW_SHAPES = [(1, 64), (1, 65), (1, 2), (1, 3), (1, 5), (1, 129), (1, 1)]  # (batch, seq), in this order
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_one_graph_where_token_shards_have_one_row(tp):
+    """seq (or M) = 2..TP has ceil(M/TP) = 1 token per shard: shards are padded to 2 rows
+    (ops/collectives.py `shard_rows`), so no meta function or lowering guards on a one-row shard and
+    the first graph serves every M >= 2; M = 1 gets its own. A (batch, seq) model and our packed
+    model (token ids of shape (M,)); compiled logits equal the uncompiled model's at every shape."""
+    counts = [s * b for b, s in ONE_ROW_SHAPES]
+    for model_name, shapes in (("ForeignModel", ONE_ROW_SHAPES), ("tiny", counts)):
+        for rank_out in tpweave.launch(workers.graphs_per_call, model_name, shapes, nprocs=tp):
+            assert not rank_out["notes"], rank_out["report"]
+            assert rank_out["new_graphs"] == [1, 0, 0, 0, 0, 0, 1], (model_name, tp, rank_out["report"])
+            for shape, got, want in zip(shapes, rank_out["compiled"], rank_out["eager"]):
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{model_name} {shape}: {m}")
 
 
 def test_tp_subgroup_of_a_larger_world(reference_logits):

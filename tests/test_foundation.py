@@ -13,6 +13,7 @@ import tpweave
 import workers
 from tpweave.models import build_model, get_preset, random_hf_state, save_hf_checkpoint
 from tpweave.models.weights import Piece, SafetensorsFetch
+from tpweave.ops.collectives import shard_rows
 
 TOKEN_COUNTS = [1, 2, 3, 7, 64, 129]
 TOL = {"float32": 1e-4, "bfloat16": 6e-2}
@@ -171,7 +172,7 @@ def test_token_collectives_any_m(tp, feature_shape):
     counts = [1, 2, 3, 5, 7, 64]
     results = tpweave.launch(workers.token_collectives, counts, feature_shape, nprocs=tp)
     for m in counts:
-        rows = -(-m // tp)
+        rows = shard_rows(m, tp)  # max(ceil(m / tp), 2)
         for rank, out in enumerate(results):
             reduced, gathered, shard, local = out[m]
             expected = sum(
@@ -189,7 +190,7 @@ def test_token_collectives_compile_for_every_m():
     counts = [1, 2, 3, 5, 64, 129, 1000]
     results = tpweave.launch(workers.compiled_collectives_recompiles, counts, nprocs=3)
     for num_compiles, err in results:
-        assert num_compiles == 3  # M = 1 (static), one-row shards (M = 2, 3 at TP = 3), every larger M
+        assert num_compiles == 2  # M = 1 (static), every other M (shards have >= 2 rows: no size-1 guard)
         assert err < 1e-4
 
 

@@ -6,6 +6,7 @@ import torch
 import tpweave
 import workers
 from conftest import num_gpus
+from tpweave.ops.collectives import shard_rows
 
 GPU_RANKS = min(2, num_gpus())  # TP=2 on the 2-GPU box; one rank (SP forced) where only one GPU is lent
 
@@ -22,7 +23,9 @@ def test_every_strategy_matches_sequential():
         for m in counts:
             ref = rank_out[("sequential", m)]
             assert (
-                ref[0].shape == (m, 4096) and ref[1].shape == (m, 6144) and ref[3].shape == (-(-m // GPU_RANKS), 4096)
+                ref[0].shape == (m, 4096)
+                and ref[1].shape == (m, 6144)
+                and ref[3].shape == (shard_rows(m, GPU_RANKS), 4096)
             )
             for name in names:
                 for got, want in zip(rank_out[(name, m)], ref):

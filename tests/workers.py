@@ -179,6 +179,33 @@ def foreign_model_outputs(
 
 
 @torch.no_grad()
+def graphs_per_call(ctx, model_name, shapes, compile_kwargs=None):
+    """Compiled and eager logits of a model called with `shapes` in order, and the graphs each call
+    compiled. model_name: a tests/foreign_models class (shapes are (batch, seq) token ids) or a tpweave
+    preset (shapes are token counts M, one layer)."""
+    import foreign_models
+    import tpweave
+
+    if hasattr(foreign_models, model_name):
+        model = getattr(foreign_models, model_name)(ctx.rank, ctx.world_size, seed=0)
+        inputs = [(ids,) for ids in _batch_shapes_ids(shapes, foreign_models.VOCAB, ctx.device)]
+    else:
+        model = build_model(model_name, tp=ctx, dtype=torch.float32, num_layers=1)
+        inputs = [batch_for(m, vocab_size=model.config.vocab_size, device=ctx.device).args() for m in shapes]
+    compiled = tpweave.compile(model, **(compile_kwargs or {"sp_min_tokens": 0}))
+    rep = tpweave.report(compiled)
+    out = {"compiled": [], "eager": [], "new_graphs": []}
+    for args in inputs:
+        before = rep.num_compiles
+        out["compiled"].append(compiled(*args).float().cpu())
+        out["new_graphs"].append(rep.num_compiles - before)
+        out["eager"].append(model(*args).float().cpu())
+    out["report"] = str(rep)
+    out["notes"] = list(rep.notes) + [n for g in rep.graphs for n in g.notes if "failed" in n]
+    return out
+
+
+@torch.no_grad()
 def llama_compiled_outputs(
     ctx, source, token_counts, dtype_names=("float32",), compile_kwargs=None, seed=0, **overrides
 ):
@@ -279,7 +306,7 @@ def gpu_strategy_outputs(ctx, token_counts, k, n, dtype_name="bfloat16"):
     out = {}
     for m in token_counts:
         gen = torch.Generator(device=ctx.device).manual_seed(m)
-        rows = -(-m // ctx.world_size)
+        rows = collectives.shard_rows(m, ctx.world_size)
         x_local = torch.randn(rows, k, device=ctx.device, dtype=dtype, generator=gen) + ctx.rank
         w = torch.randn(n, k, device=ctx.device, dtype=dtype, generator=gen).t() * k**-0.5
         a = torch.randn(m, n, device=ctx.device, dtype=dtype, generator=gen) + ctx.rank
@@ -596,7 +623,7 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
 
     def inputs(m, seed):
         """This rank's inputs, and every rank's shards / partial products' inputs for the reference."""
-        rows = -(-m // tp)
+        rows = collectives.shard_rows(m, tp)
         shards = [_draw(seed * 97 + r, rows, k, device=dev) for r in range(tp)]
         partials = [_draw(seed * 97 + 100 + r, m, n, device=dev) for r in range(tp)]
         mine = {"x": shards[rank], "a": partials[rank], "res": _draw(seed * 97 + 200 + rank, rows, k, device=dev)}
@@ -605,7 +632,7 @@ def gpu_overlap_replays(ctx, name, token_counts, k, n, num_replays=6):
         return mine, shards, partials
 
     def reference(m, mine, shards, partials):
-        rows, want = -(-m // tp), {}
+        rows, want = collectives.shard_rows(m, tp), {}
         mine_rows = slice(rank * rows, (rank + 1) * rows)
         full = torch.cat(shards)[:m].float()
         if "ag_mm" in ops:

@@ -18,6 +18,7 @@ from tpweave.bench.stats import paired_ratio
 from tpweave.bench.timing import many_compiles, time_arms
 from tpweave.models import build_model
 from tpweave.models.config import DTYPES, get_preset
+from tpweave.ops.collectives import shard_rows
 from tpweave.ops.strategies import STRATEGIES
 from tpweave.runtime.context import TPContext
 from tpweave.tuning.table import SiteShape, StrategyTable, site_shapes
@@ -128,7 +129,7 @@ def bench_ops(
         names = [n for n, s in STRATEGIES.items() if s.serves(site.kind) and s.available(probe)]
         w = (torch.randn(site.n, site.k, device=ctx.device, dtype=dtype) * site.k**-0.5).t()
         for m in tokens:
-            rows_local = -(-m // ctx.world_size)
+            rows_local = shard_rows(m, ctx.world_size)
             if site.kind == "ag_mm":
                 x = torch.randn(rows_local, site.k, device=ctx.device, dtype=dtype)
                 a_full = torch.randn(m, site.k, device=ctx.device, dtype=dtype)
@@ -195,7 +196,7 @@ def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_
     wq, w_scale = fp8.quantize_weight(w_KN.t(), per_channel=True)
     group, ws = ctx.group_name, ctx.world_size
     if site.kind == "ag_scaled_mm":
-        xq, x_scale = fp8.quantize_rows(torch.randn(-(-m // ws), site.k, device=ctx.device, dtype=dtype))
+        xq, x_scale = fp8.quantize_rows(torch.randn(shard_rows(m, ws), site.k, device=ctx.device, dtype=dtype))
         fns = {
             n: (
                 lambda n=n: torch.ops.tpweave.ag_scaled_mm(

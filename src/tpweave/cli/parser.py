@@ -291,5 +291,6 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     )
     rep.add_argument("--name", default="REPORT.md", help="the report's file name")
     rep.add_argument("--overwrite", action="store_true", help="replace a report of the same name in --output-dir")
+    rep.add_argument("--summary-only", action="store_true", help="only the summary tables (what READMEs quote)")
     rep.set_defaults(fn=commands["report"])
     return parser

@@ -1,7 +1,8 @@
 """Sequence-parallel pass: propagate a token-sharded placement through the post-grad ATen graph.
 
 Placements: a node is either replicated (the default: the graph as written) or `Shard`: this rank
-holds rows [rank*r, (rank+1)*r) of its tokens flattened, r = ceil(N/TP), as the node `local`.
+holds rows [rank*r, (rank+1)*r) of its tokens flattened, r = shard_rows(N) = max(ceil(N/TP), 2),
+as the node `local`.
 - all_reduce(sum) -> reduce_scatter_tokens: the result is a Shard.
 - token-wise ops (pointwise, casts, reductions/softmax/norms over feature dims, views, slices and
   expands that keep the token dims leading) run on the Shard; a replicated activation of the same tokens
@@ -74,7 +75,7 @@ class Shard:
     """A token-sharded node: `local` holds this rank's rows of the flattened token dims, `token_sizes` the
     logical token dims (FX arguments) of the replicated value."""
 
-    local: fx.Node  # this rank's rows, shape (ceil(N/TP), *features) (or a tuple of such)
+    local: fx.Node  # this rank's rows, shape (shard_rows(N), *features) (or a tuple of such)
     token_sizes: list  # FX args (ints / SymInt nodes) of the logical token dims, N = their product
 
     @property

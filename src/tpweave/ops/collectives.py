@@ -1,7 +1,8 @@
 """Token-dimension collectives for any number of tokens N (N % TP != 0 and N < TP included).
 
 Layout: the leading `num_token_dims` dims of an activation are tokens (N = their product), the rest
-are features F. A token shard holds ceil(N / TP) rows of shape F; the last shards carry zero padding.
+are features F. A token shard holds max(ceil(N / TP), 2) rows of shape F (`shard_rows`); the last
+shards carry zero padding.
 
 `all_reduce` is a plain functional collective (Dynamo and our passes see `_c10d_functional.all_reduce`);
 the token ops are custom ops with fake implementations so N stays symbolic under torch.compile.
@@ -32,13 +33,21 @@ def all_gather_dim0(x: Tensor, world_size: int, group_name: str | None) -> Tenso
     return _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), world_size, group_name))
 
 
+MIN_SHARD_ROWS = 2
+
+
 def shard_rows(num_tokens, world_size: int):
-    """Rows per token shard: ceil(N / TP). Works on ints and SymInts."""
-    return (num_tokens + world_size - 1) // world_size
+    """Rows per token shard: ceil(N / TP), but never fewer than 2 (zero padding). Works on ints and SymInts.
+
+    The floor of 2 keeps one graph for every N >= 2: with ceil(N/TP) alone a shard has one row for
+    N = 2..TP, so under torch.compile that size may be 1 and every meta function or Inductor lowering
+    that asks "is this dim 1?" (broadcasting, contiguity) guards on it, e.g. `((1 + s0) // 2) != 1`: a
+    recompile at N = 2 (TP = 2). Max(ceil(N/TP), 2) is >= 2 by its value range: nothing guards."""
+    return torch.sym_max((num_tokens + world_size - 1) // world_size, MIN_SHARD_ROWS)
 
 
 def _flatten_padded(x: Tensor, num_token_dims: int, world_size: int) -> Tensor:
-    """(*tokens, *F) -> (ceil(N/TP) * TP, *F), zero rows appended."""
+    """(*tokens, *F) -> (shard_rows(N) * TP, *F), zero rows appended."""
     x = x.reshape(-1, *x.shape[num_token_dims:])
     pad = shard_rows(x.shape[0], world_size) * world_size - x.shape[0]
     if pad:
@@ -48,7 +57,7 @@ def _flatten_padded(x: Tensor, num_token_dims: int, world_size: int) -> Tensor:
 
 @torch.library.custom_op("tpweave::reduce_scatter_tokens", mutates_args=())
 def reduce_scatter_tokens(x: Tensor, num_token_dims: int, group_name: str, world_size: int) -> Tensor:
-    """Sum over ranks, keep this rank's ceil(N/TP) rows: (*tokens, *F) -> (ceil(N/TP), *F)."""
+    """Sum over ranks, keep this rank's rows: (*tokens, *F) -> (shard_rows(N), *F)."""
     flat = _flatten_padded(x, num_token_dims, world_size)
     return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(flat, "sum", world_size, group_name))
 
@@ -61,7 +70,7 @@ def _(x, num_token_dims, group_name, world_size):
 
 @torch.library.custom_op("tpweave::all_gather_tokens", mutates_args=())
 def all_gather_tokens(x: Tensor, token_sizes: list[int], group_name: str, world_size: int) -> Tensor:
-    """Inverse of the token sharding: (ceil(N/TP), *F) -> (*token_sizes, *F), padding dropped."""
+    """Inverse of the token sharding: (shard_rows(N), *F) -> (*token_sizes, *F), padding dropped."""
     # 1-byte floats (FP8) travel as bytes: not every backend (gloo) knows the float8 dtypes.
     wire = x.contiguous().view(torch.uint8) if x.dtype.itemsize == 1 and x.dtype.is_floating_point else x.contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(wire, world_size, group_name)).view(x.dtype)
@@ -75,7 +84,7 @@ def _(x, token_sizes, group_name, world_size):
 
 @torch.library.custom_op("tpweave::shard_tokens", mutates_args=())
 def shard_tokens(x: Tensor, num_token_dims: int, rank: int, world_size: int) -> Tensor:
-    """This rank's token shard of a replicated tensor, no communication: (*tokens, *F) -> (ceil(N/TP), *F)."""
+    """This rank's token shard of a replicated tensor, no communication: (*tokens, *F) -> (shard_rows(N), *F)."""
     flat = _flatten_padded(x, num_token_dims, world_size)
     rows = flat.shape[0] // world_size
     return flat[rank * rows : (rank + 1) * rows].clone()

@@ -31,7 +31,7 @@ def ag_mm(
     policy: str,
     need_gathered: bool = True,
 ) -> list[Tensor]:
-    """[A, A2 @ W_0 (+ b_0), ...]: A (*token_sizes, K) gathered from the (ceil(N/TP), K) shards, A2 = A
+    """[A, A2 @ W_0 (+ b_0), ...]: A (*token_sizes, K) gathered from the (shard_rows(N), K) shards, A2 = A
     as (N, K). need_gathered=False: nothing reads A (the async-TP pass knows), so a strategy may leave
     it unwritten."""
     impl = resolve(policy, math.prod(token_sizes), x_local, "ag_mm")
@@ -47,7 +47,7 @@ def _(x_local, weights, biases, token_sizes, group_name, world_size, policy, nee
 
 @torch.library.custom_op("tpweave::mm_rs", mutates_args=())
 def mm_rs(a: Tensor, weight: Tensor, group_name: str, world_size: int, policy: str) -> Tensor:
-    """reduce_scatter_tokens(a @ weight): (N, K) x (K, H) -> this rank's (ceil(N/TP), H) rows of the sum."""
+    """reduce_scatter_tokens(a @ weight): (N, K) x (K, H) -> this rank's (shard_rows(N), H) rows of the sum."""
     return resolve(policy, a.shape[0], a, "mm_rs")(a, weight, group_name, world_size)
 
 
@@ -68,7 +68,7 @@ def mm_rs_rms_norm(
     world_size: int,
     policy: str,
 ) -> tuple[Tensor, Tensor]:
-    """(rms_norm(h) * norm_weight, h) with h = mm_rs(a, weight) + residual: this rank's (ceil(N/TP), H) rows."""
+    """(rms_norm(h) * norm_weight, h) with h = mm_rs(a, weight) + residual: this rank's (shard_rows(N), H) rows."""
     impl = resolve(policy, a.shape[0], a, "mm_rs_rms_norm")
     return impl(a, weight, residual, norm_weight, eps, weight_in_fp32, group_name, world_size)
 
@@ -131,7 +131,7 @@ def scaled_mm_rs(
     out_dtype: torch.dtype,
     policy: str,
 ) -> Tensor:
-    """reduce_scatter_tokens(scaled_mm(a, weight, a_scale, w_scale)): this rank's (ceil(N/TP), N_out) rows
+    """reduce_scatter_tokens(scaled_mm(a, weight, a_scale, w_scale)): this rank's (shard_rows(N), N_out) rows
     of the sum."""
     impl = resolve(policy, a.shape[0], a, "scaled_mm_rs")
     return impl(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from tpweave.ops import rms_norm, symm_buffers
+from tpweave.ops.collectives import shard_rows
 from tpweave.ops.strategies.contract import Strategy
 
 _BARRIER, _FILLED = 0, 1
@@ -75,7 +76,7 @@ def _gather_and_consume(
     """Push this rank's shard tensors `parts` (each (rows, width_i): FP8 rows and their scales, say) into
     every peer's receive slots; call consume(lo, hi, [part rows]) for the own rows at once and for each
     peer's rows once they arrived. Returns with the caller's stream after everything."""
-    rows = parts[0].shape[0]  # >= 1: a shard holds ceil(N/TP) rows of N >= 1 tokens
+    rows = parts[0].shape[0]  # a shard holds shard_rows(N) >= 2 rows (zero padding past N)
     assert len({p.dtype for p in parts}) == len(parts), "one receive buffer per dtype: parts must differ in dtype"
     widths = [p.numel() // rows for p in parts]
     slots = [_slots(group_name, world_size, rows, width, p) for p, width in zip(parts, widths)]
@@ -189,10 +190,10 @@ def _produce_and_push(
     group_name: str,
     world_size: int,
 ) -> tuple[Tensor, list[Tensor]]:
-    """(this rank's own partial rows, the partial rows every peer pushed here), all (ceil(N/TP), width);
+    """(this rank's own partial rows, the partial rows every peer pushed here), all (shard_rows(N), width);
     matmul_rows(lo, hi) computes rows [lo, hi) of the full partial product. The caller's stream has
     waited for every push."""
-    rows = -(-num_tokens // world_size)
+    rows = shard_rows(num_tokens, world_size)
     handle, slots = _slots(group_name, world_size, rows, width, like)
     rank, timeout_ms = handle.rank, symm_buffers.wait_timeout_ms(group_name)
     main, side = torch.cuda.current_stream(), _side_stream(like.device)

@@ -41,16 +41,16 @@ class AgMm(Protocol):
         *,
         need_gathered: bool = True,
     ) -> list[Tensor]:
-        """x_local (ceil(N/TP), K): this rank's shard, N = prod(token_sizes); W_i (K, N_i), b_i (N_i,) or None.
+        """x_local (shard_rows(N), K): this rank's shard, N = prod(token_sizes); W_i (K, N_i), b_i (N_i,) or None.
         With need_gathered=False nothing reads A, which may be left unwritten."""
         ...
 
 
 class MmRs(Protocol):
-    """(N, K) @ (K, H), reduce-scattered over tokens: this rank's (ceil(N/TP), H) rows of the sum."""
+    """(N, K) @ (K, H), reduce-scattered over tokens: this rank's (shard_rows(N), H) rows of the sum."""
 
     def __call__(self, a: Tensor, weight: Tensor, group_name: str, world_size: int) -> Tensor:
-        """a (N, K), weight (K, H) -> (ceil(N/TP), H)."""
+        """a (N, K), weight (K, H) -> (shard_rows(N), H)."""
         ...
 
 
@@ -79,7 +79,7 @@ class AgScaledMm(Protocol):
         *,
         need_gathered: bool = True,
     ) -> list[Tensor]:
-        """x_local (ceil(N/TP), K) FP8 and x_scale_local (ceil(N/TP), 1); W_i (N_i, K) FP8, w_scale_i (N_i,);
+        """x_local (shard_rows(N), K) FP8 and x_scale_local (shard_rows(N), 1); W_i (N_i, K) FP8, w_scale_i (N_i,);
         the matmul outputs in out_dtype. need_gathered as in AgMm."""
         ...
 
@@ -90,7 +90,7 @@ class ScaledMmRs(Protocol):
     def __call__(
         self, a: Tensor, a_scale: Tensor, weight: Tensor, w_scale: Tensor, group_name: str, world_size: int, out_dtype
     ) -> Tensor:
-        """a (N, K) FP8 with row scales a_scale (N, 1), weight (H, K) FP8 with w_scale (H,) -> (ceil(N/TP), H)
+        """a (N, K) FP8 with row scales a_scale (N, 1), weight (H, K) FP8 with w_scale (H,) -> (shard_rows(N), H)
         in out_dtype."""
         ...
 
@@ -127,8 +127,8 @@ class MmRsRmsNorm(Protocol):
         group_name: str,
         world_size: int,
     ) -> tuple[Tensor, Tensor]:
-        """a (N, K), weight (K, H), residual (ceil(N/TP), H) or None, norm_weight (H,) -> y and h, both
-        (ceil(N/TP), H)."""
+        """a (N, K), weight (K, H), residual (shard_rows(N), H) or None, norm_weight (H,) -> y and h, both
+        (shard_rows(N), H)."""
         ...
 
 

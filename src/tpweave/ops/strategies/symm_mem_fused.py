@@ -1,7 +1,7 @@
 """torch's symmetric-memory fused ops (`symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`).
 
-CUDA only. Shards are padded to ceil(N/TP) rows, so every rank's chunk has the same size, as the
-fused ops require; padding rows are dropped from the outputs.
+CUDA only. Shards are padded to shard_rows(N) = max(shard_rows(N), 2) rows, so every rank's chunk has
+the same size, as the fused ops require; padding rows are dropped from the outputs.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tpweave.ops import symm_buffers
+from tpweave.ops.collectives import shard_rows
 from tpweave.ops.strategies import sequential
 from tpweave.ops.strategies.contract import Strategy
 
@@ -47,7 +48,7 @@ def ag_mm(x_local, weights, biases, token_sizes, group_name, world_size, *, need
 def mm_rs(a, weight, group_name, world_size):
     """MmRs by torch's fused_matmul_reduce_scatter, rows zero-padded to a multiple of TP."""
     _enable(group_name)
-    pad = (-a.shape[0]) % world_size
+    pad = shard_rows(a.shape[0], world_size) * world_size - a.shape[0]
     if pad:
         a = F.pad(a, (0, 0, 0, pad))
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, weight, "sum", 0, group_name)
@@ -93,11 +94,11 @@ def ag_scaled_mm(
 
 def scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype):
     """ScaledMmRs by torch's fused_scaled_matmul_reduce_scatter (padding rows get scale 1); shards whose
-    ceil(N/TP) rows are not a multiple of FP8_ROW_ALIGN take the sequential path."""
-    if -(-a.shape[0] // world_size) % FP8_ROW_ALIGN:
+    shard_rows(N) rows are not a multiple of FP8_ROW_ALIGN take the sequential path."""
+    if shard_rows(a.shape[0], world_size) % FP8_ROW_ALIGN:
         return sequential.scaled_mm_rs(a, a_scale, weight, w_scale, group_name, world_size, out_dtype)
     _enable(group_name)
-    pad = (-a.shape[0]) % world_size
+    pad = shard_rows(a.shape[0], world_size) * world_size - a.shape[0]
     if pad:
         a, a_scale = F.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(a.dtype), F.pad(a_scale, (0, 0, 0, pad), value=1.0)
     return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
