@@ -217,6 +217,9 @@ def test_kernel_proof_counts_every_site_at_every_m():
     assert prove("auto", {**seen, "symm_mem_one_shot": 1}, small) == [
         "auto: 1 symm_mem_one_shot kernels per call, expected 2 (sites: all_reduce -> symm_mem_one_shot)"
     ]
+    # one rank: NCCL and the two-shot path launch nothing; torch's one-shot kernel and tpweave's still run
+    alone = expected_comm(graph, 64, world_size=1)
+    assert {k: v[0] for k, v in alone.items()} == {"tpweave_ar_norm": 2, "symm_mem_one_shot": 2}
     # a strategy that cannot run here counts as sequential, which runs in its place
     fallback = expected_comm(graph, 64, available=lambda name: name == "sequential")
     assert {k: v[0] for k, v in fallback.items()} == {"nccl_all_reduce": 4, "nccl_all_gather": 1}

@@ -105,7 +105,12 @@ def arm_rows(timings, *, scale: float = 1.0, key: dict[str, Any], seed: int = 0)
 
 
 def prove_arms(
-    compiled: dict[str, compiler.CompiledTP], runners: dict[str, Callable], num_tokens: int, *, probe: torch.Tensor
+    compiled: dict[str, compiler.CompiledTP],
+    runners: dict[str, Callable],
+    num_tokens: int,
+    *,
+    probe: torch.Tensor,
+    world_size: int,
 ) -> tuple[dict[str, Any], list[str]]:
     """Profile every arm's timed runner (its CUDA graph) at this M and check its communication kernels
     against its sites' choices (bench/kernels.py). ({arm: kernels seen}, problems); nothing on CPU."""
@@ -119,7 +124,8 @@ def prove_arms(
         if graph is None:
             problems.append(f"M={num_tokens} {arm}: no compiled graph serves this M (it ran uncompiled)")
             continue
-        expected = expected_comm(graph.to_dict(), num_tokens, available=lambda n: STRATEGIES[n].available(probe))
+        available = lambda n: STRATEGIES[n].available(probe)  # noqa: E731
+        expected = expected_comm(graph.to_dict(), num_tokens, world_size=world_size, available=available)
         problems += [f"M={num_tokens} {p}" for p in prove(arm, seen["per_call"], expected)]
     return kernels, problems
 

@@ -121,16 +121,25 @@ def profile_kernels(
 
 
 def expected_comm(
-    graph_report: dict, num_tokens: int, *, available: Callable[[str], bool] = lambda name: True
+    graph_report: dict,
+    num_tokens: int,
+    *,
+    world_size: int = 2,
+    available: Callable[[str], bool] = lambda name: True,
 ) -> dict[str, tuple[int | None, list[str]]]:
     """{category: (expected kernels per call, or None for "at least one"; the sites behind it)} of one
     compiled graph (GraphReport.to_dict()) at M = num_tokens. A strategy that is not `available` counts as
-    `sequential`, which the dispatched op runs in its place."""
+    `sequential`, which the dispatched op runs in its place. With one rank, NCCL collectives and tpweave's
+    two-shot path launch no kernel (nothing to exchange; measured on one H200); torch's one-shot kernel
+    and tpweave's own kernels still run."""
     from tpweave.ops.strategies import chosen_name
 
     expected: dict[str, tuple[int | None, list[str]]] = {}
+    silent_alone = {"nccl_all_reduce", "nccl_reduce_scatter", "nccl_all_gather", "symm_mem_two_shot"}
 
     def add(category: str, count: int | None, why: str) -> None:
+        if world_size == 1 and category in silent_alone:
+            return
         have, whys = expected.get(category, (0, []))
         total = None if count is None or have is None else have + count
         expected[category] = (total, [*whys, why])

@@ -80,7 +80,9 @@ def bench_latency(
                 row["variant"] = compiled[row.get("chosen") or row["arm"]].variant_for(m)
                 rows.append(row)
             if settings.verify:
-                record["kernels"][f"{what} {key}"], found = prove_arms(compiled, timings.runners, m, probe=probe)
+                record["kernels"][f"{what} {key}"], found = prove_arms(
+                    compiled, timings.runners, m, probe=probe, world_size=ctx.world_size
+                )
                 record["problems"] += [f"{what} {key}: {p}" for p in found]
 
         # Largest M first: symmetric-memory workspaces are sized once, before any capture.

@@ -102,7 +102,9 @@ def bench_layers(
                 row["variant"] = compiled[row.get("chosen") or row["arm"]].variant_for(m)
                 rows.append(row)
             if settings.verify:
-                record["kernels"][m], found = prove_arms(compiled, timings.runners, m, probe=probe)
+                record["kernels"][m], found = prove_arms(
+                    compiled, timings.runners, m, probe=probe, world_size=ctx.world_size
+                )
                 record["problems"] += found
     record["compile_reports"] = compile_reports(compiled)
     record["fallbacks"] = fallbacks(compiled)
