@@ -50,7 +50,7 @@ class BenchSettings:
     """Timing loop sizes: `reps` repetitions (arm order shuffled in each) after `warmup` calls per arm,
     each sample the mean of `inner` back-to-back runs; `verify`: prove every arm's kernels at every M."""
 
-    reps: int = 30
+    reps: int = 100
     warmup: int = 3
     inner: int = 5
     verify: bool = True

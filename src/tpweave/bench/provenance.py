@@ -49,10 +49,58 @@ def code_version() -> dict[str, Any]:
 
 
 def describe(code: dict[str, Any]) -> str:
-    """One line: 'commit abc1234 (+ uncommitted changes)' or 'tpweave 0.1.0, sources sha256:...'."""
-    if code.get("commit"):
-        return f"commit {code['commit'][:10]}" + (" + uncommitted changes" if code.get("dirty") else "")
-    return f"tpweave {code.get('version')}, sources sha256:{code.get('source_hash')}"
+    """One line: 'commit abc1234', or with uncommitted changes or without a checkout the sources' hash
+    (and the commit whose sources have that hash, when this checkout's history holds one)."""
+    if code.get("commit") and code.get("dirty") is False:
+        return f"commit {code['commit'][:10]}"
+    where = f"commit {code['commit'][:10]} + uncommitted changes, " if code.get("commit") else ""
+    text = f"{where}sources sha256:{code.get('source_hash')}"
+    match = commit_of_sources(code.get("source_hash"))
+    return text + (f" (= the sources of commit {match[:10]})" if match else "")
+
+
+def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | None:
+    """The newest commit (of this checkout's last `max_commits`) whose src/tpweave has this source_hash."""
+    if not digest:
+        return None
+    top = _git("rev-parse", "--show-toplevel")
+    commits = (_git("rev-list", f"--max-count={max_commits}", "HEAD") or "").split()
+    if not top or not commits:
+        return None
+    prefix = Path(PACKAGE_DIR.relative_to(Path(top).resolve()).as_posix())
+    trees: dict[str, list[tuple[Path, str]]] = {}
+    for commit in commits:  # (path under the package, blob id) of every .py file
+        listing = _git("ls-tree", "-r", "--full-tree", commit, "--", prefix.as_posix()) or ""
+        entries = [line.split("\t", 1) for line in listing.splitlines()]
+        trees[commit] = sorted(
+            (Path(path).relative_to(prefix), meta.split()[2]) for meta, path in entries if path.endswith(".py")
+        )
+    blobs = sorted({blob for files in trees.values() for _, blob in files})
+    contents = _cat_blobs(top, blobs)
+    for commit in commits:
+        h = hashlib.sha256()
+        for rel, blob in trees[commit]:  # Path order: the order source_hash uses
+            h.update(str(rel).encode())
+            h.update(contents.get(blob, b""))
+        if h.hexdigest()[:16] == digest:
+            return commit
+    return None
+
+
+def _cat_blobs(top: str, blobs: list[str]) -> dict[str, bytes]:
+    """Contents of git blobs, read by one `git cat-file --batch`."""
+    try:
+        out = subprocess.run(["git", "-C", top, "cat-file", "--batch"], input="\n".join(blobs).encode() + b"\n",
+                             capture_output=True, timeout=60).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    contents, pos = {}, 0
+    for blob in blobs:
+        header_end = out.index(b"\n", pos)
+        size = int(out[pos:header_end].split()[2])
+        contents[blob] = out[header_end + 1 : header_end + 1 + size]
+        pos = header_end + 1 + size + 1
+    return contents
 
 
 ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "TPWEAVE_", "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_", "NVSHMEM_")

@@ -133,7 +133,13 @@ def _timing(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-layers", type=positive_int, default=2, help="decoder layers timed together (reported per layer)"
     )
-    p.add_argument("--num-iters", type=positive_int, default=10, help="timed samples per arm (interleaved)")
+    p.add_argument(
+        "--num-iters",
+        type=positive_int,
+        default=100,
+        help="repetitions: timed samples per arm, arm order shuffled in each (100 keeps the A/A interval "
+        "within about +-1%% on one H200: docs/user_guide.md, Benchmark)",
+    )
     p.add_argument("--num-iters-warmup", type=non_negative_int, default=3, help="untimed calls per arm before capture")
     p.add_argument("--inner", type=positive_int, default=5, help="CUDA-graph replays per timed sample")
 
