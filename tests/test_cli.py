@@ -58,6 +58,25 @@ def test_bad_input_is_one_line_before_any_rank_starts(args, message, tmp_path):
     assert not (tmp_path / "tpweave-results").exists()  # nothing written
 
 
+def test_an_error_inside_the_ranks_is_one_line_and_a_hint(tmp_path):
+    """A failure only a rank can see: the root rank's message and one hint line (exit 1); --debug adds
+    every rank's traceback."""
+    from tpweave.models import get_preset
+
+    model = tmp_path / "broken-weights"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(get_preset("tiny").to_hf()))
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")  # found only when a rank loads it
+    args = ["generate", "--model", str(model), "--no-compile", "--dtype", "float32"]
+    code, out, err, _ = tpweave(*args, cwd=tmp_path)
+    lines = err.strip().splitlines()
+    assert code == 1, (out, err)
+    assert lines[-2].startswith("tpweave: error: rank ") and "ValueError: cannot read" in lines[-2], err
+    assert lines[-1] == "tpweave: (run with --debug for every rank's traceback)" and "Traceback" not in err
+    code, _, err, _ = tpweave("--debug", *args, cwd=tmp_path)
+    assert code == 1 and "Traceback (most recent call last)" in err
+
+
 def test_model_directory_with_a_broken_config_names_the_file(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{not json")

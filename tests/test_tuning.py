@@ -56,6 +56,11 @@ def test_policy_and_boundary_from_measurements():
         {"tokens": 4096, "arm": "compute_only", "ms": 1.0},
     ]
     assert policy_from_op_rows(rows) == "sequential@0,fast@1024"
+    # with intervals: a faster median whose interval holds 1.0 does not win its M
+    unsure = {"ratio": 1.33, "lo": 0.9, "hi": 1.8, "verdict": "no significant difference"}
+    sure = {"ratio": 1.5, "lo": 1.4, "hi": 1.6, "verdict": "faster"}
+    with_ci = [r | {"vs_sequential": unsure if r["tokens"] == 1024 else sure} for r in rows]
+    assert policy_from_op_rows(with_ci) == "sequential@0,fast@4096"
     layers = [
         {"tokens": 1, "arm": "plain_best", "ms_per_layer": 1.0},
         {"tokens": 1, "arm": "auto", "ms_per_layer": 1.2},

@@ -189,10 +189,14 @@ def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed,
             for arm in order:
                 with many_compiles():
                     records[(arm, workload, rate, rnd)] = run_requests(ctx, engines[arm], requests, seed=seed + rnd)
+    fell_back = []
+    for arm, engine in engines.items():
+        report = getattr(engine.runner.forward, "compile_report", None)  # None: the model runs uncompiled (TP=1)
+        fell_back += [f"{arm}: {note}" for note in (report.fallbacks() if report is not None else [])]
     for engine in engines.values():
         release_engine(engine)
     rows = serve_rows(records, {(w, r): len(reqs) for w, r, reqs in cells}, arms=arms, rounds=rounds)
-    return rows, orders
+    return rows, orders, fell_back
 
 
 def _workloads(args: argparse.Namespace) -> list:
@@ -237,11 +241,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         engine_kwargs["num_layers"] = args.num_layers
     gpus_start = gpu_state()
     worker_args = (args.model, args.dtype, arms, cells, engine_kwargs, args.seed, args.rounds)
-    rows, orders = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
-    failures = _serve_failures(rows)
+    rows, orders, fell_back = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
+    failures = "; ".join(filter(None, [_serve_failures(rows), *(f"fallback: {f}" for f in fell_back)])) or None
     meta = run_metadata(
         {"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
          "num_requests": args.num_prompts, "rounds": args.rounds, "orders": orders, "failures": failures,
+         "fallbacks": fell_back,
          **engine_kwargs},
         gpus_start=gpus_start,
     )  # fmt: skip
@@ -250,7 +255,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     print(f"wrote {json_path} and {md_path}")
     if failures:
         print(f"FAILED: {failures}")
-    broken = any(r["num_lost"] or not r["num_finished"] for r in rows)
+    broken = bool(fell_back) or any(r["num_lost"] or not r["num_finished"] for r in rows)
     return EXIT_FAILED if broken else EXIT_OK
 
 

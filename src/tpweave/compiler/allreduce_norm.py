@@ -173,7 +173,13 @@ def fuse_all_reduce_norms(
     graph: fx.Graph, cfg: TPGroup, *, policy_for: Callable[[str, int, int], str], report: GraphReport
 ) -> None:
     """Plain-TP graph: all-reduce -> (+ residual) -> RMSNorm becomes tpweave::all_reduce_rms_norm where the
-    site's policy is not "sequential"; matches that fail are added to `report` with the reason."""
+    site's policy is not "sequential"; matches that fail are added to `report` with the reason.
+
+        before:  r = wait_tensor(all_reduce(x, "sum", group))        after:  f = all_reduce_rms_norm(x, res, w, eps,
+                 h = add(r, res)                                                    w_in_fp32, group, TP, policy)
+                 h32 = float(h); ... y = w * bf16(h32 * rsqrt(...))         y = f[0]
+                 (readers of h, readers of y)                               h = f[1]
+    """
     edit = GraphEditor(graph)
     for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]
@@ -195,7 +201,12 @@ def fuse_all_reduce_norms(
 
 def fuse_reduce_scatter_norms(graph: fx.Graph, *, report: GraphReport) -> None:
     """SP graph, after async TP: tpweave::mm_rs -> (+ residual) -> RMSNorm becomes tpweave::mm_rs_rms_norm
-    where the site's policy names a strategy that finishes its reduction inside the norm kernel."""
+    where the site's policy names a strategy that finishes its reduction inside the norm kernel.
+
+        before:  s = mm_rs(a, w, group, TP, policy)                   after:  f = mm_rs_rms_norm(a, w, res, nw, eps,
+                 h = add(s, res)                                                    w_in_fp32, group, TP, policy)
+                 y = nw * bf16(norm(h))                                     y, h = f[0], f[1]
+    """
     edit = GraphEditor(graph)
     for mm_rs in [n for n in graph.nodes if n.target is tpw.mm_rs.default]:
         a, w, group_name, world_size, policy = mm_rs.args

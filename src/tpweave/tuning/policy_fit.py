@@ -12,14 +12,20 @@ MIN_GAIN = 0.02
 
 
 def policy_from_op_rows(rows: list[dict[str, Any]]) -> str:
-    """'winner@M' steps over the grid, e.g. 'sequential@0,symm_mem_fused@1024'."""
+    """'winner@M' steps over the grid, e.g. 'sequential@0,symm_mem_fused@1024'. A strategy wins an M only
+    where it beats `sequential` by MIN_GAIN and, when the rows carry intervals (vs_sequential with a
+    verdict), significantly: noise must not flip a site."""
     by_m: dict[int, dict[str, float]] = defaultdict(dict)
+    significant: dict[int, set[str]] = defaultdict(set)
     for r in rows:
         if r["arm"] != "compute_only":
             by_m[r["tokens"]][r["arm"]] = r["ms"]
+            verdict = r.get("vs_sequential")
+            if not isinstance(verdict, dict) or verdict.get("verdict") == "faster":
+                significant[r["tokens"]].add(r["arm"])
     steps: list[tuple[int, str]] = []
     for i, m in enumerate(sorted(by_m)):
-        times = by_m[m]
+        times = {arm: t for arm, t in by_m[m].items() if arm == "sequential" or arm in significant[m]}
         best = min(times, key=times.get)
         if best != "sequential" and times[best] > times["sequential"] * (1 - MIN_GAIN):
             best = "sequential"
