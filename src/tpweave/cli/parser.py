@@ -34,37 +34,30 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
+def _number(text: str, convert, *, least, strict: bool, what: str):
+    """`text` as a number >= least (> least when strict); ArgumentTypeError naming what was expected."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < least or (strict and value == least) or value != value:
+        raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {least}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _number(text, int, least=1, strict=False, what="an integer >= 1")
 
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _number(text, int, least=0, strict=False, what="an integer >= 0")
 
 
 def positive_float(text: str) -> float:
     """A number > 0 (seconds, rates)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    return _number(text, float, least=0, strict=True, what="a number")
 
 
 def token_counts(text: str) -> list[int]:
