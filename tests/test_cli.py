@@ -141,6 +141,7 @@ def test_serve_where_every_request_fails_says_so_and_fails(tmp_path):
     requests.write_text("input_len,output_len\n500,4\n600,3\n")  # longer than --max-model-len
     args = ["bench", "serve", "--model", "tiny", "-tp", "1", "--dtype", "float32", "--dataset-path", str(requests)]
     args += ["--request-rate", "inf", "--max-model-len", "128", "--max-num-batched-tokens", "64", "--arms", "auto"]
+    args += ["--rounds", "1"]
     code, out, err, _ = tpweave(*args, "--output-dir", str(tmp_path / "out"), cwd=tmp_path)
     assert code == 1, (out, err)
     assert "FAILED: auto/requests.csv/rate inf: 2 of 2 requests failed" in out, out
