@@ -14,9 +14,22 @@ import tpweave
 from tpweave.compiler import api
 
 SRC = Path(tpweave.__file__).parent
-# Lower layers never import higher ones. log.py is a leaf every layer may use; the package's
+# Lower layers never import higher ones. log.py and version.py are leaves every layer may use; the package's
 # __init__ (the public facade) and __main__ sit on top.
-LAYERS = ["log", "runtime", "ops", "models", "tuning", "compiler", "engine", "bench", "cli", "__main__", "__init__"]
+LAYERS = [
+    "log",
+    "version",
+    "runtime",
+    "ops",
+    "models",
+    "tuning",
+    "compiler",
+    "engine",
+    "bench",
+    "cli",
+    "__main__",
+    "__init__",
+]
 
 
 def _module_name(path: Path) -> str:

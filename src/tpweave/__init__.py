@@ -3,7 +3,6 @@
 from tpweave import ops  # noqa: F401  (registers tpweave:: ops)
 from tpweave.compiler import compile, report
 from tpweave.runtime import TPContext, WorkerError, init_distributed, launch
-
-__version__ = "0.1.0"
+from tpweave.version import __version__
 
 __all__ = ["compile", "report", "TPContext", "WorkerError", "init_distributed", "launch", "__version__"]

@@ -151,7 +151,7 @@ def _output(p: argparse.ArgumentParser) -> None:
 
 def build_parser(commands: dict[str, Callable]) -> Parser:
     """The `tpweave` parser; `commands` maps each command's name ("demo", "bench layer", ...) to its function."""
-    from tpweave import __version__
+    from tpweave.version import __version__
 
     parser = Parser(prog="tpweave", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"tpweave {__version__}")

@@ -281,13 +281,10 @@ class SequenceParallelPass:
             if av.dim() <= num_features:
                 return a  # broadcasts over tokens only (a per-hidden weight, a scalar tensor)
             lead = av.shape[: av.dim() - num_features]
-            if all(same(s, 1) for s in lead):
-                feats = av.shape[av.dim() - num_features :]
-                if not all(isinstance(s, int) for s in feats):
-                    raise NotTokenWise("broadcast operand with symbolic feature dims")
-                return self.edit.insert(aten.view.default, (a, [1, *feats]), before=node)
             if av.dim() == out.dim() and same_sizes(lead, tokens):
-                # A replicated activation of the same tokens meets the shard: slice it here, for free.
+                # A replicated activation of the same tokens meets the shard: slice it here, for free. Checked
+                # before the size-1 broadcast below: with one token the two look alike, and the slice keeps
+                # the shard's row count (padded to shard_rows), so later rewrites see equal shapes.
                 sliced = self.edit.insert(
                     tpw.shard_tokens.default, (a, k, self.cfg.rank, self.cfg.world_size), before=node
                 )
@@ -295,6 +292,11 @@ class SequenceParallelPass:
                     "replicated->shard", a, "sliced locally", f"meets sharded {sharded[0].name} in {node.name}"
                 )
                 return sliced
+            if all(same(s, 1) for s in lead):
+                feats = av.shape[av.dim() - num_features :]
+                if not all(isinstance(s, int) for s in feats):
+                    raise NotTokenWise("broadcast operand with symbolic feature dims")
+                return self.edit.insert(aten.view.default, (a, [1, *feats]), before=node)
             raise NotTokenWise(f"operand {a.name} broadcasts over some token dims")
 
         args = tuple(_map_args(node.args, local))
