@@ -269,8 +269,12 @@ def test_debug_log_prints_graphs(capfd, monkeypatch):
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match="needs an initialized process group"):
-        tpweave.compile(torch.nn.Linear(2, 2))
+    # one process without a process group compiles as TP=1 (the engine compiles its model at every TP)
+    linear = torch.nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(tpweave.compile(linear)(x), linear(x))
+    with pytest.raises(ValueError, match="no process group is initialized"):
+        tpweave.compile(linear, group="tp")
     messages = tpweave.launch(workers.compile_errors, nprocs=2)[0]
     assert "empty batch" in messages["empty"]
     assert "sp_min_tokens must be >= 0" in messages["negative"]

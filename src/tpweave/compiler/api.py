@@ -52,6 +52,8 @@ def _owner(module: Any) -> torch.nn.Module:
 def _check_ranks_agree(the_plan: CompilePlan, tp: TPGroup) -> None:
     """Ranks that compiled different graphs or strategies would wait on each other's collectives forever
     (e.g. a calibration table found, or found corrupt, on some ranks only): refuse up front."""
+    if tp.world_size == 1:
+        return
     what = "tpweave.compile options (a calibration table present, or valid, on some ranks only?)"
     check_ranks_agree(the_plan.agreement(), group=tp.process_group, what=what)
 

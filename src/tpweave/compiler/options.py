@@ -175,7 +175,10 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     sp_min = options.sp_min_tokens
     if sp_min is None:
         sp_min = table.sp_min_tokens if table is not None else DEFAULT_SP_MIN_TOKENS if nccl else 0
-    ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if nccl else "sequential")
+    # With one rank the fused kernel has nothing to exchange and is slower than Inductor's own add + norm
+    # (one H200: benchmarks/results/2026-12-02/layer-llama3-8b-tp1-1xH200.md, auto vs plain_nccl at M = 128).
+    fuse_norm = nccl and tp.world_size > 1
+    ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     common = dict(site_policies=site_policies, cudagraph_trees=options.cudagraphs)
     variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,

@@ -19,9 +19,14 @@ class TPGroup:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | str | None) -> TPGroup:
-        """The TPGroup of a process group, a group name, or (None) the default group."""
+        """The TPGroup of a process group, a group name, or (None) the default group; without any process
+        group (one process, TP=1) a group of one rank."""
         if not dist.is_initialized():
-            raise ValueError("tpweave.compile needs an initialized process group (tpweave.launch or init_distributed)")
+            if group is None:
+                return cls("", 0, 1, "none")
+            raise ValueError(
+                f"group {group!r} given, but no process group is initialized (tpweave.launch or init_distributed)"
+            )
         if isinstance(group, str):
             from torch.distributed.distributed_c10d import _resolve_process_group
 

@@ -11,14 +11,16 @@ padded rows of a graph bucket write their K/V there.
 from __future__ import annotations
 
 import bisect
+import itertools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tpweave import compiler
 from tpweave.compiler import PLAIN_TP, CompileOptions
-from tpweave.engine.block_manager import slot_of
 from tpweave.engine.config import EngineConfig
+from tpweave.engine.sampling import request_seed, sample
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.log import progress
 from tpweave.models import build_model
@@ -52,7 +54,7 @@ class ModelRunner:
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
-        if config.compile_model and ctx.world_size > 1:
+        if config.compile_model:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             options = PLAIN_TP if config.baseline else CompileOptions()
             self.forward = compiler.compile(self.model, options=options, sp_min_tokens=config.sp_min_tokens)
@@ -111,48 +113,51 @@ class ModelRunner:
         return num_blocks
 
     # -- step inputs ------------------------------------------------------------------------------
-    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple:
-        ids, positions, slots, cu, ctx_lens, rows = [], [], [], [0], [], []
-        max_blocks = max(len(c.seq.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+    def _tables(self, chunks: list[ScheduledChunk], rows: int, width: int, fill: int) -> np.ndarray:
+        """(rows, width) int32 block tables of the chunks' sequences, `fill` elsewhere (one copy per sequence)."""
+        tables = np.full((rows, width), fill, dtype=np.int32)
         for b, c in enumerate(chunks):
-            ids += c.seq.token_ids[c.start : c.start + c.num_tokens]
-            positions += range(c.start, c.start + c.num_tokens)
             table = c.seq.block_table
-            slots += [slot_of(table, p, self.block_size) for p in range(c.start, c.start + c.num_tokens)]
-            cu.append(cu[-1] + c.num_tokens)
-            ctx_lens.append(c.start + c.num_tokens)
-            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            rows.append(cu[-1] - 1)
+            tables[b, : len(table)] = table
+        return tables
+
+    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple:
+        """The forward's arguments for a step of any chunks (prefill, mixed): token ids, positions, cu_seqlens,
+        KV slots, context lengths, block tables, block size, the row of each chunk's last token."""
+        n, bs = len(chunks), self.block_size
+        starts = np.fromiter((c.start for c in chunks), np.int64, n)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+        tokens = itertools.chain.from_iterable(c.seq.tokens(c.start, c.start + c.num_tokens) for c in chunks)
+        ids = np.fromiter(tokens, np.int64, total)
+        owner = np.repeat(np.arange(n), lens)  # the chunk of every token row
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][owner] + starts[owner]
+        tables = self._tables(chunks, n, max(len(c.seq.block_table) for c in chunks), 0)
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.ctx.device
-        return (
-            torch.tensor(ids, device=dev),
-            torch.tensor(positions, device=dev),
-            torch.tensor(cu, dtype=torch.int32, device=dev),
-            torch.tensor(slots, device=dev),
-            torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            tables.to(dev),
-            self.block_size,
-            torch.tensor(rows, device=dev),
-        )
+
+        def put(a: np.ndarray, dtype=None) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return t.to(device=dev, dtype=dtype or t.dtype, non_blocking=True)
+
+        return (put(ids), put(positions), put(cu, torch.int32), put(slots), put(starts + lens, torch.int32),
+                put(tables), bs, put(cu[1:] - 1))  # fmt: skip
 
     # -- CUDA graphs of decode steps ----------------------------------------------------------------
     def _decode_host_inputs(self, chunks: list[ScheduledChunk], bucket: int) -> list[torch.Tensor]:
         """Static-shape inputs of a decode step padded to `bucket` rows; pad rows use the pad block."""
-        n, pad_slot = len(chunks), self.pad_block * self.block_size
-        ids = torch.zeros(bucket, dtype=torch.long)
-        pos = torch.zeros(bucket, dtype=torch.long)
-        slots = torch.full((bucket,), pad_slot, dtype=torch.long)
-        ctx_lens = torch.ones(bucket, dtype=torch.int32)
-        tables = torch.full((bucket, self.max_blocks_per_seq), self.pad_block, dtype=torch.int32)
-        for b, c in enumerate(chunks):
-            ids[b] = c.seq.token_ids[c.start]
-            pos[b] = c.start
-            slots[b] = slot_of(c.seq.block_table, c.start, self.block_size)
-            ctx_lens[b] = c.start + 1
-            tables[b, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+        n, bs = len(chunks), self.block_size
         assert n <= bucket, (n, bucket)  # the caller picked a bucket that holds the batch
-        return [ids, pos, slots, ctx_lens, tables]
+        pos = np.zeros(bucket, dtype=np.int64)
+        pos[:n] = np.fromiter((c.start for c in chunks), np.int64, n)
+        ids = np.zeros(bucket, dtype=np.int64)
+        ids[:n] = np.fromiter((c.seq.token_at(c.start) for c in chunks), np.int64, n)
+        tables = self._tables(chunks, bucket, self.max_blocks_per_seq, self.pad_block)
+        slots = tables[np.arange(bucket), pos // bs].astype(np.int64) * bs + pos % bs  # pad rows: the pad block
+        ctx_lens = (pos + 1).astype(np.int32)
+        return [torch.from_numpy(a) for a in (ids, pos, slots, ctx_lens, tables)]
 
     @torch.no_grad()
     def _largest_step(self, num_tokens: int) -> None:
@@ -217,36 +222,26 @@ class ModelRunner:
     # -- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, chunks: list[ScheduledChunk], step: int) -> dict[int, int]:
-        """Compute the step; return the next token of every sequence whose chunk reached its end."""
+        """Compute the step; return the next token of every sequence whose chunk reached its end. Sampling
+        runs batched on the logits' device (engine/sampling.py); the one host sync is reading the tokens."""
         if not chunks:
             return {}
         logits = self._decode_with_graph(chunks)
         if logits is None:
             logits = self.forward(*self._inputs(chunks))  # (B, V): the last row of each chunk
-        logits = logits.float()
-        greedy = logits.argmax(-1).tolist()  # one host sync for every greedy row
-        out = {}
-        for b, c in enumerate(chunks):
-            if not c.samples:
-                continue
-            params = c.seq.params
-            if params.temperature == 0:
-                out[c.seq.seq_id] = greedy[b]
-            else:
-                out[c.seq.seq_id] = sample(
-                    logits[b], params, seed=(params.seed or 0) * 1_000_003 + step * 7919 + c.seq.seq_id
-                )
-        return out
-
-
-def sample(logits_V: torch.Tensor, params, *, seed: int) -> int:
-    """Greedy at temperature 0; else temperature + top-p with a seeded generator (every rank draws alike)."""
-    if params.temperature == 0:
-        return int(logits_V.argmax())
-    probs = torch.softmax(logits_V / params.temperature, dim=-1)
-    sorted_p, order = probs.sort(descending=True)
-    keep = sorted_p.cumsum(0) - sorted_p < params.top_p  # smallest prefix with mass >= top_p
-    sorted_p = torch.where(keep, sorted_p, 0.0)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    choice = torch.multinomial((sorted_p / sorted_p.sum()).cpu(), 1, generator=gen)
-    return int(order[choice.to(order.device)])
+        sampling = [c for c in chunks if c.samples]
+        if not sampling:
+            return {}
+        rows = [b for b, c in enumerate(chunks) if c.samples]
+        params = [c.seq.params for c in sampling]
+        dev = logits.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True)
+        seeds = torch.tensor(
+            [request_seed((p.seed or 0) * 1_000_003 + c.seq.seq_id, len(c.seq.output_token_ids))
+             for p, c in zip(params, sampling)], dtype=torch.int64,
+        ).to(dev, non_blocking=True)  # fmt: skip
+        picked = logits if len(rows) == len(chunks) else logits[torch.tensor(rows, device=dev)]
+        any_random = any(p.temperature > 0 for p in params)
+        tokens = sample(picked.float(), temperature, top_p, seeds, any_random=any_random).tolist()
+        return {c.seq.seq_id: t for c, t in zip(sampling, tokens)}

@@ -102,7 +102,7 @@ class Scheduler:
         scheduled: set[int] = set()
         # Running sequences first, oldest first: decodes and the next chunks of their prefills.
         for seq in list(self.running):
-            if seq not in self.running or budget == 0:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:  # preempted or failed in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
@@ -117,7 +117,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
@@ -165,6 +165,7 @@ class Scheduler:
             if reason:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
                 self.blocks.free(seq)
-                self.running.remove(seq)
                 finished.append(seq)
+        if finished:  # one pass over the running list, not one removal per finished sequence
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return finished

@@ -37,7 +37,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's membership tests and removals never compare token lists
 class Sequence:
     """A request: its prompt and generated tokens, how many of them have their KV in the cache, its KV
     blocks, and how it ended (finish_reason "stop" or "length", or an error)."""
@@ -52,6 +52,20 @@ class Sequence:
     num_preemptions: int = 0
     error: str | None = None
     finish_reason: str | None = None
+
+    def token_at(self, position: int) -> int:
+        """The token at `position` of prompt + output, without building their concatenation."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
     @property
     def token_ids(self) -> list[int]:
