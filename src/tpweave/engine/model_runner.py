@@ -54,8 +54,8 @@ class ModelRunner:
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
-        # TP=1 stays eager here: compiling the full model at TP=1 under CUDA graphs is issue 21's next step
-        # and not yet timed on a GPU (a one-H200 engine test exceeded its 280 s budget with it).
+        # At TP=1 there is no communication for the passes to rewrite: the model runs eagerly (decode steps
+        # are still captured in CUDA graphs).
         if config.compile_model and ctx.world_size > 1:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             options = PLAIN_TP if config.baseline else CompileOptions()
