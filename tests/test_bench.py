@@ -152,7 +152,7 @@ class _LosingEngine:
         self.seqs.append(seq)
         return seq
 
-    def has_unfinished(self):
+    def has_unfinished(self):  # the engine's and its scheduler's
         return any(s.finish_reason is None for i, s in enumerate(self.seqs) if i != 1)
 
     def step(self):

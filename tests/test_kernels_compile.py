@@ -92,44 +92,22 @@ def test_add_rms_norm_kernel_compiles(has_s2):
     )
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (8, 128), (1, 64)])
-def test_paged_decode_kernel_compiles(group, head_dim):
-    strides = [
-        "stride_qm",
-        "stride_qh",
-        "stride_ks",
-        "stride_kh",
-        "stride_vs",
-        "stride_vh",
-        "stride_tb",
-        "stride_om",
-        "stride_oh",
-        "stride_os",
-        "stride_lm",
-        "stride_lh",
-    ]
-    types = dict(
-        q_ptr="*bf16",
-        k_ptr="*bf16",
-        v_ptr="*bf16",
-        tables_ptr="*i32",
-        seq_ptr="*i32",
-        kv_len_ptr="*i32",
-        o_ptr="*fp32",
-        lse_ptr="*fp32",
-        scale="fp32",
-        block_size="i32",
-        tokens_per_split="i32",
-        **{s: "i32" for s in strides},
-    )
-    compile_for_gpu(
-        paged_decode._paged_decode_kernel,
-        types,
-        dict(
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=paged_decode.BLOCK_N
-        ),
-        num_warps=4,
-    )
+def test_paged_decode_kernels_compile(group, head_dim, split):
+    fn = paged_decode._decode_kernel
+    ptrs = dict(q_ptr="*bf16", kn_ptr="*bf16", vn_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64")
+    ptrs.update(tables_ptr="*i32", ctx_ptr="*i32", o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
+    scalars = dict(scale="fp32", block_size="i32", tokens_per_split="i32")
+    strides = {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+    tuning = paged_decode.DEFAULT_TUNING
+    meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
+    meta.update(BLOCK=tuning.block_n, SPLIT=split)
+    compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
+    merge = paged_decode._merge_kernel
+    strides = {name: "i32" for name in merge.arg_names if name.startswith("stride_")}
+    types = dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32", **strides)
+    compile_for_gpu(merge, types, dict(SPLITS_PAD=8, HEAD_DIM=head_dim), num_warps=4)
 
 
 @pytest.mark.parametrize("wait", [False, True])
@@ -154,7 +132,8 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_all_reduce_rms_norm_kernel",
         "_all_reduce_rms_norm_ll_kernel",
         "_add_rms_norm_kernel",
-        "_paged_decode_kernel",
+        "_decode_kernel",
+        "_merge_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):

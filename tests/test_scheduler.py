@@ -6,6 +6,7 @@ import random
 import pytest
 
 from tpweave.engine import BlockManager, SamplingParams, Scheduler, Sequence, SequenceStatus
+from tpweave.engine.sequence import PENDING
 
 VOCAB = 97
 
@@ -23,23 +24,51 @@ def reference_output(prompt, params):
             return out
 
 
-def run(scheduler, seqs, *, max_steps=10_000):
+class Driver:
+    """Steps a scheduler with the fake model as LLMEngine does: synchronously (results read back right after
+    each step) or asynchronously (the next step planned before this one's tokens are read back; a pending
+    token's id comes from the step in flight, as the model runner takes it from the device)."""
+
+    def __init__(self, scheduler, *, asynchronous):
+        self.scheduler, self.asynchronous, self.in_flight = scheduler, asynchronous, None
+        self.discarded = 0  # samples of sequences that a stop token in flight had already ended
+
+    def busy(self):
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def step(self):
+        out = self.scheduler.schedule()
+        prev = self.in_flight[1] if self.in_flight else {}
+        nxt = {}
+        for c in out.chunks:
+            # every scheduled token has a KV slot
+            assert len(c.seq.block_table) * self.scheduler.blocks.block_size >= c.start + c.num_tokens
+            if c.samples:
+                history = [prev[c.seq.seq_id] if t == PENDING else t for t in c.seq.tokens(0, c.start + c.num_tokens)]
+                nxt[c.seq.seq_id] = fake_next_token(history)
+        if not self.asynchronous:
+            self.scheduler.postprocess(out, nxt)
+            return out
+        if self.in_flight:
+            self.discarded += sum(c.samples and c.seq.is_done for c in self.in_flight[0].chunks)
+            self.scheduler.postprocess(*self.in_flight)
+        self.in_flight = (out, nxt) if out.chunks else None
+        return out
+
+
+def run(scheduler, seqs, *, asynchronous=False, max_steps=10_000):
     stats = {"steps": 0, "mixed": 0, "preempted": 0, "max_tokens": 0}
-    while scheduler.has_unfinished():
-        out = scheduler.schedule()
+    driver = Driver(scheduler, asynchronous=asynchronous)
+    while driver.busy():
+        out = driver.step()
         stats["steps"] += 1
         assert stats["steps"] < max_steps, "scheduler stalled"
         assert out.num_tokens <= scheduler.max_num_batched_tokens
         stats["max_tokens"] = max(stats["max_tokens"], out.num_tokens)
-        kinds = {c.seq.in_prefill for c in out.chunks}
+        kinds = {c.num_tokens > 1 for c in out.chunks}
         stats["mixed"] += len(kinds) == 2
         stats["preempted"] += len(out.preempted)
-        for c in out.chunks:  # every scheduled token has a KV slot
-            assert len(c.seq.block_table) * scheduler.blocks.block_size >= c.start + c.num_tokens
-        nxt = {
-            c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples
-        }
-        scheduler.postprocess(out, nxt)
+    stats["discarded"] = driver.discarded
     return stats
 
 
@@ -57,7 +86,8 @@ def test_block_manager_alloc_free_refcounts():
         bm.grow(b, 100)
 
 
-def test_chunked_prefill_mixes_with_decode_and_matches_unbatched():
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_chunked_prefill_mixes_with_decode_and_matches_unbatched(asynchronous):
     bm = BlockManager(num_blocks=64, block_size=4)
     sched = Scheduler(block_manager=bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=200)
     rng = random.Random(0)
@@ -69,7 +99,7 @@ def test_chunked_prefill_mixes_with_decode_and_matches_unbatched():
     ]
     for s in seqs:
         sched.add(s)
-    stats = run(sched, seqs)
+    stats = run(sched, seqs, asynchronous=asynchronous)
     assert stats["mixed"] > 0 and stats["max_tokens"] == 16
     for s in seqs:
         assert s.status is SequenceStatus.FINISHED and s.output_token_ids == reference_output(
@@ -78,21 +108,22 @@ def test_chunked_prefill_mixes_with_decode_and_matches_unbatched():
     assert bm.num_free == bm.num_blocks
 
 
-def test_preemption_by_recompute_loses_nothing():
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_preemption_by_recompute_loses_nothing(asynchronous):
     bm = BlockManager(num_blocks=12, block_size=4)  # far fewer blocks than the requests want together
     sched = Scheduler(block_manager=bm, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64)
     rng = random.Random(1)
     seqs = [
         Sequence(
             [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))],
-            SamplingParams(max_tokens=20, stop_token_ids=(5,)),
+            SamplingParams(max_tokens=20, stop_token_ids=tuple(range(0, VOCAB, 13))),  # ~8% of tokens stop
         )
         for _ in range(12)
     ]
     for s in seqs:
         sched.add(s)
-    stats = run(sched, seqs)
-    assert stats["preempted"] > 0
+    stats = run(sched, seqs, asynchronous=asynchronous)
+    assert stats["preempted"] > 0 and (stats["discarded"] > 0) == asynchronous  # stop tokens in flight
     for s in seqs:
         assert s.status is SequenceStatus.FINISHED, s.error
         assert s.output_token_ids == reference_output(s.prompt_token_ids, s.params)
@@ -129,8 +160,9 @@ def test_request_that_outgrows_the_cache_fails_instead_of_stalling():
     assert bm.num_free == bm.num_blocks
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_arrivals_never_lose_or_stall(seed):
+def test_random_arrivals_never_lose_or_stall(seed, asynchronous):
     """Requests arriving between steps, tight cache and budget: every request ends finished with the
     reference text or failed with an error, and every KV block comes back."""
     rng = random.Random(seed)
@@ -148,7 +180,8 @@ def test_random_arrivals_never_lose_or_stall(seed):
         for _ in range(20)
     ]
     added, steps = [], 0
-    while pending or sched.has_unfinished():
+    driver = Driver(sched, asynchronous=asynchronous)
+    while pending or driver.busy():
         for _ in range(rng.randint(0, 3)):
             if pending:
                 seq = pending.pop()
@@ -157,13 +190,9 @@ def test_random_arrivals_never_lose_or_stall(seed):
                     added.append(seq)
                 except ValueError:
                     pass
-        out = sched.schedule()
+        driver.step()
         steps += 1
         assert steps < 5000, "scheduler stalled"
-        nxt = {
-            c.seq.seq_id: fake_next_token(c.seq.token_ids[: c.start + c.num_tokens]) for c in out.chunks if c.samples
-        }
-        sched.postprocess(out, nxt)
     assert blocks.num_free == blocks.num_blocks and all(r == 0 for r in blocks.ref_counts)
     for seq in added:
         assert seq.status in (SequenceStatus.FINISHED, SequenceStatus.FAILED)

@@ -392,12 +392,17 @@ def reported_dynamo_limits(ctx, token_counts):
     return results
 
 
-def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0):
+def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, stop_token_ids=()):
+    import torch
+
     import tpweave
     from tpweave.engine import LLMEngine, SamplingParams
 
+    torch._dynamo.reset()  # engines built one after another in a process: each compiles afresh
     engine = LLMEngine(ctx, "tiny", **engine_kwargs)
-    params = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=max_tokens, seed=3)
+    params = SamplingParams(
+        temperature=temperature, top_p=0.9, max_tokens=max_tokens, seed=3, stop_token_ids=tuple(stop_token_ids)
+    )
     results = engine.generate(prompts, params)
     forward = engine.runner.forward
     num_compiles = tpweave.report(forward).num_compiles if hasattr(forward, "compile_report") else 0

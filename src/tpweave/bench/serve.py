@@ -261,7 +261,7 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
         engine.step()
         t = clock.now()
         still = []
-        idle = not engine.scheduler.has_unfinished()
+        idle = not engine.has_unfinished()
         for seq, rec in active:
             rec["token_times"] += [t] * (len(seq.output_token_ids) - len(rec["token_times"]))
             if seq.error is not None:

@@ -19,6 +19,7 @@ class EngineConfig:
     num_blocks=None: sized from free GPU memory on CUDA (256 on CPU). max_model_len=None: the model's
     max_position_embeddings. baseline=True: plain TP (the model's NCCL all-reduces, no SP or async TP),
     for A/B runs. cuda_graphs: decode steps replay a graph captured per batch-size bucket (CUDA only).
+    async_scheduling: plan and launch each step before reading the previous step's tokens (engine/llm_engine.py).
     model_overrides: ModelConfig fields to change (e.g. num_layers)."""
 
     dtype: torch.dtype = torch.bfloat16
@@ -32,6 +33,7 @@ class EngineConfig:
     baseline: bool = False
     sp_min_tokens: int | None = None
     cuda_graphs: bool = True
+    async_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
     model_overrides: Mapping[str, Any] = field(default_factory=dict)
 

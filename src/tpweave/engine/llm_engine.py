@@ -1,6 +1,11 @@
 """LLMEngine: add_request / step / generate. Under TP every rank runs the same engine loop (SPMD):
 the scheduler is deterministic and the gathered logits and seeded sampling are the same on every
-rank, so all ranks take the same steps."""
+rank, so all ranks take the same steps.
+
+Asynchronous scheduling (EngineConfig.async_scheduling, on by default): step() plans and launches step
+N+1 before it reads step N's sampled tokens, so the host's work (scheduling, inputs, stop conditions)
+runs while the device computes, and the one host sync of a step waits behind work already queued.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from typing import Any
 
 from tpweave.engine.block_manager import BlockManager
 from tpweave.engine.config import EngineConfig
-from tpweave.engine.model_runner import ModelRunner
-from tpweave.engine.scheduler import Scheduler
+from tpweave.engine.model_runner import LaunchedStep, ModelRunner
+from tpweave.engine.scheduler import Scheduler, SchedulerOutput
 from tpweave.engine.sequence import SamplingParams, Sequence
 from tpweave.runtime.context import TPContext
 
@@ -37,6 +42,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
         )
         self.num_steps = 0
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
 
     def release(self) -> None:
         """Free the KV cache and the CUDA graphs (the engine cannot step afterwards)."""
@@ -52,12 +58,26 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running, or has tokens in flight."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
     def step(self) -> list[Sequence]:
-        """Schedule and run one step (forward and sampling); the sequences that finished or failed in this step."""
+        """Schedule and launch one step, then read back the tokens of the step before it (asynchronous
+        scheduling) or of this one; the sequences that finished or failed meanwhile."""
         out = self.scheduler.schedule()
-        next_tokens = self.runner.run(out.chunks, self.num_steps)
-        self.num_steps += 1
-        return self.scheduler.postprocess(out, next_tokens) + out.failed
+        launched = self.runner.launch(out.chunks)
+        self.num_steps += bool(out.chunks)
+        done = list(out.failed)
+        if self._in_flight is not None:
+            done = self.scheduler.postprocess(self._in_flight[0], self._in_flight[1].read()) + done
+            self._in_flight = None
+        if out.chunks:
+            if self.config.async_scheduling:
+                self._in_flight = (out, launched)
+            else:
+                done = self.scheduler.postprocess(out, launched.read()) + done
+        return done
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -73,7 +93,7 @@ class LLMEngine:
             except ValueError as e:
                 seqs.append(None)
                 results.append({"token_ids": [], "finish_reason": None, "error": str(e)})
-        while self.scheduler.has_unfinished():
+        while self.has_unfinished():
             self.step()
         for i, seq in enumerate(seqs):
             if seq is not None:

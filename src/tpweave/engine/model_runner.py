@@ -1,6 +1,12 @@
 """One per rank: owns the model, its paged KV cache, the step's input tensors, CUDA graphs of decode
 steps, and sampling.
 
+A step is launched, not waited for: launch() builds the inputs on the host (numpy), copies them to the
+device without blocking, runs the forward and the sampling, and starts copying the sampled tokens to
+pinned host memory behind an event. Tokens still pending on the host (Sequence.PENDING, sampled by the
+step before) are taken from that step's device tensor, so the next step can be launched before the
+host has read the previous one's tokens.
+
 On CUDA the KV cache is sized from the memory left after an eager warm-up at the largest step
 (max_num_batched_tokens), agreed as the minimum over ranks. Decode steps (one new token per
 sequence) replay a CUDA graph captured per batch-size bucket; prefill and mixed steps run the
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +29,7 @@ from tpweave.compiler import PLAIN_TP, CompileOptions
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.sampling import request_seed, sample
 from tpweave.engine.scheduler import ScheduledChunk
+from tpweave.engine.sequence import PENDING
 from tpweave.log import progress
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
@@ -33,6 +41,25 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+@dataclass
+class LaunchedStep:
+    """A launched step's sampled tokens: `tokens` (S,) int64 on the device (what the next step's pending
+    tokens come from), `host` their copy in (pinned) host memory, complete when `event` has passed."""
+
+    seq_ids: list[int]
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def read(self) -> dict[int, int]:
+        """{seq_id: sampled token}: waits for the step's sampling to reach the host (the step's one sync)."""
+        if not self.seq_ids:
+            return {}
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.seq_ids, self.host.tolist()))
 
 
 class ModelRunner:
@@ -54,12 +81,20 @@ class ModelRunner:
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
-        # At TP=1 there is no communication for the passes to rewrite: the model runs eagerly (decode steps
-        # are still captured in CUDA graphs).
-        if config.compile_model and ctx.world_size > 1:
+        # Compiled at every TP: at TP=1 there is no communication to rewrite, but Inductor fuses the norms,
+        # RoPE and activations that would otherwise run as separate eager kernels.
+        if config.compile_model:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             options = PLAIN_TP if config.baseline else CompileOptions()
             self.forward = compiler.compile(self.model, options=options, sp_min_tokens=config.sp_min_tokens)
+        self._last = LaunchedStep([])  # the latest launched step: pending tokens come from its samples
+        self._last_rows: dict[int, int] = {}  # seq_id -> row of self._last.tokens
+        # Two pinned buffers for sampled tokens, alternating: the one a step copies into was last used two
+        # steps before, whose tokens the host has read.
+        self._host_tokens = [
+            torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=self.on_cuda) for _ in range(2)
+        ]
+        self._num_launched = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._static_out: dict[int, torch.Tensor] = {}  # each decode graph's output (logits of its bucket)
         self.num_graph_replays = 0
@@ -135,6 +170,7 @@ class ModelRunner:
         tokens = itertools.chain.from_iterable(c.seq.tokens(c.start, c.start + c.num_tokens) for c in chunks)
         ids = np.fromiter(tokens, np.int64, total)
         owner = np.repeat(np.arange(n), lens)  # the chunk of every token row
+        pending = self._pending(ids, lambda row: chunks[owner[row]].seq.seq_id)
         positions = np.arange(total, dtype=np.int64) - cu[:-1][owner] + starts[owner]
         tables = self._tables(chunks, n, max(len(c.seq.block_table) for c in chunks), 0)
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
@@ -144,12 +180,31 @@ class ModelRunner:
             t = torch.from_numpy(a)
             return t.to(device=dev, dtype=dtype or t.dtype, non_blocking=True)
 
-        return (put(ids), put(positions), put(cu, torch.int32), put(slots), put(starts + lens, torch.int32),
+        ids_dev = self._fill_pending(put(ids), pending)
+        return (ids_dev, put(positions), put(cu, torch.int32), put(slots), put(starts + lens, torch.int32),
                 put(tables), bs, put(cu[1:] - 1))  # fmt: skip
+
+    def _pending(self, ids: np.ndarray, seq_of_row) -> np.ndarray | None:
+        """(2, P) rows of `ids` holding PENDING and the rows of the previous step's samples they come from
+        (None without any); those ids are set to 0 in place."""
+        rows = np.flatnonzero(ids == PENDING)
+        if len(rows) == 0:
+            return None
+        ids[rows] = 0
+        src = np.fromiter((self._last_rows[seq_of_row(r)] for r in rows), np.int64, len(rows))
+        return np.stack([rows, src])
+
+    def _fill_pending(self, ids_dev: torch.Tensor, pending: np.ndarray | None) -> torch.Tensor:
+        """Write the previous step's sampled tokens (on the device) into ids_dev at the pending rows."""
+        if pending is not None:
+            index = torch.from_numpy(pending).to(ids_dev.device, non_blocking=True)
+            ids_dev.index_copy_(0, index[0], self._last.tokens.index_select(0, index[1]))
+        return ids_dev
 
     # -- CUDA graphs of decode steps ----------------------------------------------------------------
     def _decode_host_inputs(self, chunks: list[ScheduledChunk], bucket: int) -> list[torch.Tensor]:
-        """Static-shape inputs of a decode step padded to `bucket` rows; pad rows use the pad block."""
+        """Static-shape inputs of a decode step padded to `bucket` rows; pad rows use the pad block. Pending
+        token ids read PENDING (_decode_with_graph fills them in on the device)."""
         n, bs = len(chunks), self.block_size
         assert n <= bucket, (n, bucket)  # the caller picked a bucket that holds the batch
         pos = np.zeros(bucket, dtype=np.int64)
@@ -215,35 +270,56 @@ class ModelRunner:
         if max(len(c.seq.block_table) for c in chunks) > self.max_blocks_per_seq:
             return None
         bucket = self._buckets[bisect.bisect_left(self._buckets, len(chunks))]
-        for dst, src in zip(self._static, self._decode_host_inputs(chunks, bucket)):
+        host = self._decode_host_inputs(chunks, bucket)
+        pending = self._pending(host[0].numpy(), lambda row: chunks[row].seq.seq_id)
+        for dst, src in zip(self._static, host):
             dst[:bucket].copy_(src, non_blocking=True)
+        self._fill_pending(self._static[0], pending)
         self.graphs[bucket].replay()
         self.num_graph_replays += 1
         return self._static_out[bucket][: len(chunks)]
 
     # -- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, chunks: list[ScheduledChunk], step: int) -> dict[int, int]:
-        """Compute the step; return the next token of every sequence whose chunk reached its end. Sampling
-        runs batched on the logits' device (engine/sampling.py); the one host sync is reading the tokens."""
+    def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device without waiting for either; the returned
+        LaunchedStep reads the sampled tokens (of the chunks that sample) when the host needs them."""
+        sampling = [(b, c) for b, c in enumerate(chunks) if c.samples]
         if not chunks:
-            return {}
+            return LaunchedStep([])
         logits = self._decode_with_graph(chunks)
         if logits is None:
             logits = self.forward(*self._inputs(chunks))  # (B, V): the last row of each chunk
-        sampling = [c for c in chunks if c.samples]
         if not sampling:
-            return {}
-        rows = [b for b, c in enumerate(chunks) if c.samples]
-        params = [c.seq.params for c in sampling]
+            return LaunchedStep([])
         dev = logits.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True)
-        seeds = torch.tensor(
-            [request_seed((p.seed or 0) * 1_000_003 + c.seq.seq_id, len(c.seq.output_token_ids))
-             for p, c in zip(params, sampling)], dtype=torch.int64,
-        ).to(dev, non_blocking=True)  # fmt: skip
-        picked = logits if len(rows) == len(chunks) else logits[torch.tensor(rows, device=dev)]
-        any_random = any(p.temperature > 0 for p in params)
-        tokens = sample(picked.float(), temperature, top_p, seeds, any_random=any_random).tolist()
-        return {c.seq.seq_id: t for c, t in zip(sampling, tokens)}
+
+        def put(values, dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        picked = logits if len(sampling) == len(chunks) else logits[put([b for b, _ in sampling], torch.int64)]
+        params = [c.seq.params for _, c in sampling]
+        if any(p.temperature > 0 for p in params):
+            # a request's draw depends on its seed and on how many tokens it generated before this one
+            seeds = [request_seed((p.seed or 0) * 1_000_003 + c.seq.seq_id, c.seq.num_generated - 1)
+                     for p, (_, c) in zip(params, sampling)]  # fmt: skip
+            tokens = sample(
+                picked.float(),
+                put([p.temperature for p in params], torch.float32),
+                put([p.top_p for p in params], torch.float32),
+                put(seeds, torch.int64),
+            )
+        else:
+            tokens = picked.argmax(-1)
+        seq_ids = [c.seq.seq_id for _, c in sampling]
+        self._last_rows = {sid: i for i, sid in enumerate(seq_ids)}
+        if not self.on_cuda:
+            self._last = LaunchedStep(seq_ids, tokens, tokens)
+            return self._last
+        host = self._host_tokens[self._num_launched % 2][: len(seq_ids)]
+        self._num_launched += 1
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._last = LaunchedStep(seq_ids, tokens, host, event)
+        return self._last

@@ -1,6 +1,13 @@
 """Continuous batching with chunked prefill under a token budget, decodes and prefill chunks mixed in
 one step, and preemption by recompute when KV blocks run out. Every request ends finished or failed
-with its error; none is lost and the loop cannot stall."""
+with its error; none is lost and the loop cannot stall.
+
+Asynchronous scheduling: schedule() counts a step's tokens as computed and its samples as pending
+(Sequence.num_pending) when it plans the step, so the next step can be planned before this one's
+tokens are read back; postprocess() then appends them and applies the stop conditions. A sequence
+whose pending token already ends it by length (max_tokens, max_model_len) is not scheduled again; one
+that a pending stop token ends was scheduled once more, and that step's token is discarded.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +20,18 @@ from tpweave.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """The `num_tokens` tokens of `seq` from position `start` on that one step computes."""
+    """The `num_tokens` tokens of `seq` from position `start` on that one step computes; `samples`: the chunk
+    reaches the sequence's last token, so a next token is sampled from its last row (default: decided from
+    the sequence when the chunk is made)."""
 
     seq: Sequence
     start: int  # position of the first token computed in this step
     num_tokens: int
+    samples: bool = None  # type: ignore[assignment]
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token: a next token is sampled from its last row."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -104,6 +113,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:  # preempted or failed in this loop
                 continue
+            if self._ends_by_length(seq) or seq.num_uncomputed_tokens == 0:
+                continue  # its pending token ends it (postprocess finishes it)
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 if len(self.running) == 1:
@@ -119,48 +130,67 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            self._plan(seq, n, out)
             scheduled.add(seq.seq_id)
             budget -= n
         # Then new (or preempted) requests, first come first served, chunked to the budget.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._ends_by_length(seq):
+                break  # preempted with a pending token that ends it: postprocess finishes it
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            self._plan(seq, n, out)
             scheduled.add(seq.seq_id)
             budget -= n
-        if not out.chunks and self.waiting and not self.running:
+        if not out.chunks and self.waiting and not self.running and not self.waiting[0].num_pending:
             # Alone with the whole cache and still no room: this request can never run.
             seq = self.waiting.popleft()
             self._fail(seq, f"needs more KV blocks than the cache holds ({seq.num_tokens} tokens)")
             out.failed.append(seq)
         return out
 
+    def _plan(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Put the next n tokens of seq in the step: KV slots, the chunk, and (planned ahead of the results)
+        the tokens counted as computed and the sample as pending."""
+        self.blocks.grow(seq, seq.num_computed_tokens + n)
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+        out.chunks.append(chunk)
+        seq.num_computed_tokens += n
+        seq.num_pending += chunk.samples
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the tokens generated so far, pending ones included, already end seq by length."""
+        return seq.num_pending > 0 and (
+            seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        )
+
     def _fail(self, seq: Sequence, error: str) -> None:
         self.blocks.free(seq)
         seq.status, seq.error = SequenceStatus.FAILED, error
 
     def postprocess(self, out: SchedulerOutput, next_tokens: dict[int, int]) -> list[Sequence]:
-        """Advance every scheduled chunk; append the sampled token where one was sampled; return the
-        sequences that finished in this step."""
+        """Read back a step's results: append the token sampled for each sequence of `out` that is still
+        running (the token of one that ended meanwhile is discarded), apply the stop conditions, and
+        return the sequences that finished."""
         finished = []
         for chunk in out.chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
-            seq.output_token_ids.append(next_tokens[seq.seq_id])
+            seq.num_pending -= 1
+            if seq.is_done:
+                continue
+            token = next_tokens[seq.seq_id]
+            seq.output_token_ids.append(token)
             reason = None
-            if seq.output_token_ids[-1] in seq.params.stop_token_ids:
+            if token in seq.params.stop_token_ids:
                 reason = "stop"
-            elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_known_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -168,4 +198,6 @@ class Scheduler:
                 finished.append(seq)
         if finished:  # one pass over the running list, not one removal per finished sequence
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+            if any(s.is_done for s in self.waiting):  # preempted while its last token was in flight
+                self.waiting = deque(s for s in self.waiting if not s.is_done)
         return finished

@@ -1,9 +1,17 @@
-"""A request being generated: its tokens, progress through the prompt, and KV blocks."""
+"""A request being generated: its tokens, progress through the prompt, and KV blocks.
+
+Under asynchronous scheduling a sequence can have one token in flight ("pending"): sampled by a step
+that was launched but whose result the host has not read yet. It counts in num_tokens (the scheduler
+plans the next step around it), reads as PENDING in token_at / tokens (the model runner takes it from
+the previous step's sampled tokens on the device), and is not in output_token_ids until it arrives.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+PENDING = -1  # the id of a token that is sampled on the device but not read back yet
 
 
 class SequenceStatus(enum.Enum):
@@ -52,30 +60,43 @@ class Sequence:
     num_preemptions: int = 0
     error: str | None = None
     finish_reason: str | None = None
+    num_pending: int = 0  # sampled tokens in flight (0 or 1): after output_token_ids, ids unknown yet
 
     def token_at(self, position: int) -> int:
-        """The token at `position` of prompt + output, without building their concatenation."""
+        """The token at `position` of prompt + output (+ pending: PENDING), without concatenating them."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if position < n:
+            return self.prompt_token_ids[position]
+        position -= n
+        return self.output_token_ids[position] if position < len(self.output_token_ids) else PENDING
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output."""
-        n = len(self.prompt_token_ids)
+        """Tokens [start, stop) of prompt + output, PENDING at the positions of pending tokens."""
+        n, known = len(self.prompt_token_ids), self.num_known_tokens
         if stop <= n:
             return self.prompt_token_ids[start:stop]
-        if start >= n:
-            return self.output_token_ids[start - n : stop - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+        head = self.prompt_token_ids[start:] + self.output_token_ids[max(start - n, 0) : min(stop, known) - n]
+        return head + [PENDING] * (stop - max(start, known)) if stop > known else head
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt then generated tokens."""
+        """Prompt then generated tokens (those read back: no pending one)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
+    def num_known_tokens(self) -> int:
+        """Prompt plus generated tokens read back."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens, pending ones included (what the scheduler plans with)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -76,15 +76,15 @@ def paged_attention(
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and context_lens[b] tokens in all (cached + new);
     block_tables (B, max_blocks) lists its blocks.
     """
+    num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
+    if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
+        # one new token per sequence (shapes only, no host sync): KV write and attention in the Triton kernel
+        return paged_decode.paged_decode(
+            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale
+        )
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
-    num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
     if paged_decode.supported(q_MHD, k_cache):
-        if num_tokens == num_seqs:  # one new token per sequence: decode (shapes only, no host sync)
-            seq_of_token = torch.arange(num_seqs, dtype=torch.int32, device=q_MHD.device)
-            return paged_decode.paged_decode(
-                q_MHD, k_cache, v_cache, block_tables, seq_of_token, context_lens, block_size, scale
-            )
         return _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
     return _paged_attention_reference(
         q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale

@@ -1,14 +1,18 @@
-"""Paged attention for one query row per token (decode) as a Triton kernel with the context split
-across programs (flash-decoding), so batch 1 with a long context still fills the GPU.
+"""Paged attention for decode (one new token per sequence) in at most two Triton kernels per layer:
+the first writes the new tokens' K/V into the page pool and attends over the context, split across
+programs (flash-decoding) when batch x kv heads cannot fill the GPU; the second merges the splits.
 
-Legend: M query tokens, H q heads, K kv heads (GQA group H // K), D head dim, S context splits.
-Each program takes one token, one kv head (all GROUP q heads of it at once, padded to 16 rows for
-tl.dot) and one split of the context; a second step merges the splits by their log-sum-exp.
+Legend: B sequences (= tokens), H q heads, K kv heads (GQA group H // K), D head dim, S context splits.
+A program takes one sequence, one kv head (all GROUP q heads of it at once, padded to 16 rows for
+tl.dot) and one split of the context. Positions < context_len - 1 are read from the cache; the new
+token (position context_len - 1) is taken from k_new/v_new, and the program whose split holds it also
+stores it at its slot, so no program reads a slot that another one writes in the same launch.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,7 +23,19 @@ try:
 except ImportError:  # CPU-only installs: the reference path in attention.py is used
     triton = None
 
-BLOCK_N = 64  # context tokens per inner iteration
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch parameters: block_n context tokens per inner iteration, programs_per_sm the target
+    occupancy that decides the split count (from shapes only, fixed per CUDA-graph bucket)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 4
+
+
+DEFAULT_TUNING = DecodeTuning()
 
 
 def supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
@@ -40,17 +56,23 @@ def supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(
+    def _decode_kernel(
         q_ptr,
+        kn_ptr,
+        vn_ptr,
         k_ptr,
         v_ptr,
+        slot_ptr,
         tables_ptr,
-        seq_ptr,
-        kv_len_ptr,
+        ctx_ptr,
         o_ptr,
         lse_ptr,
         stride_qm,
         stride_qh,
+        stride_knm,
+        stride_knh,
+        stride_vnm,
+        stride_vnh,
         stride_ks,
         stride_kh,
         stride_vs,
@@ -68,46 +90,92 @@ if triton is not None:
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
-        tok = tl.program_id(0)
+        seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        seq = tl.load(seq_ptr + tok)
-        kv_len = tl.load(kv_len_ptr + tok)
+        kv_len = tl.load(ctx_ptr + seq)
+        new_pos = kv_len - 1
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, kv_len)
+        cached_end = tl.minimum(end, new_pos)
         rows = tl.arange(0, GROUP_PAD)
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + tok * stride_qm + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + seq * stride_qm + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK):
+        for n0 in range(start, cached_end, BLOCK):
             t = n0 + tl.arange(0, BLOCK)
-            t_ok = t < end
+            t_ok = t < cached_end
             block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
             slot = block.to(tl.int64) * block_size + t % block_size
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if (new_pos >= start) & (new_pos < end):
+            k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
+            v_new = tl.load(vn_ptr + seq * stride_vnm + kvh * stride_vnh + d)
+            slot_new = tl.load(slot_ptr + seq)
+            tl.store(k_ptr + slot_new * stride_ks + kvh * stride_kh + d, k_new)
+            tl.store(v_ptr + slot_new * stride_vs + kvh * stride_vh + d, v_new)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            m_new = tl.maximum(m_i, s_new)
+            p_new = tl.exp(s_new - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(
-            o_ptr + tok * stride_om + heads[:, None] * stride_oh + split * stride_os + d[None, :],
-            out,
-            mask=row_ok[:, None],
+        o_offs = seq * stride_om + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+        if SPLIT:
+            tl.store(o_ptr + o_offs, out, mask=row_ok[:, None])
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + seq * stride_lm + heads * stride_lh + split, lse, mask=row_ok)
+        else:
+            tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_kernel(
+        o_ptr,
+        lse_ptr,
+        out_ptr,
+        num_splits,
+        stride_om,
+        stride_oh,
+        stride_os,
+        stride_lm,
+        stride_lh,
+        stride_outm,
+        stride_outh,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS_PAD)
+        s_ok = s < num_splits
+        d = tl.arange(0, HEAD_DIM)
+        lse = tl.load(lse_ptr + seq * stride_lm + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))  # splits past the context: exp(-inf) = 0
+        o = tl.load(
+            o_ptr + seq * stride_om + head * stride_oh + s[:, None] * stride_os + d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
         )
-        tl.store(lse_ptr + tok * stride_lm + heads * stride_lh + split, lse, mask=row_ok)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + seq * stride_outm + head * stride_outh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,65 +183,97 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits(num_tokens: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """From shapes only (no host sync, fixed per CUDA-graph bucket): enough programs for 2 waves."""
-    want = -(-2 * _num_sms(device.index or 0) // max(num_tokens * num_kv_heads, 1))
-    return max(1, min(want, -(-max_context // BLOCK_N)))
+def split_plan(
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, tuning: DecodeTuning = DEFAULT_TUNING
+) -> tuple[int, int]:
+    """(splits, tokens per split) from shapes only: enough programs for tuning.programs_per_sm per SM, each
+    split a whole number of block_n tiles."""
+    want = -(-tuning.programs_per_sm * num_sms // max(num_seqs * num_kv_heads, 1))
+    tiles = -(-max(max_context, 1) // tuning.block_n)
+    splits = max(1, min(want, tiles))
+    per_split = -(-tiles // splits) * tuning.block_n
+    return -(-max(max_context, 1) // per_split), per_split
 
 
 def paged_decode(
     q_MHD: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    slot_mapping: Tensor,
     block_tables: Tensor,
-    seq_of_token: Tensor,
-    kv_len_of_token: Tensor,
+    context_lens: Tensor,
     block_size: int,
     scale: float,
+    tuning: DecodeTuning = DEFAULT_TUNING,
 ) -> Tensor:
-    """Token i attends to the first kv_len_of_token[i] positions of sequence seq_of_token[i]."""
-    num_tokens, num_heads, head_dim = q_MHD.shape
+    """Sequence b's one new token (q_MHD[b], K/V k_new[b] / v_new[b], stored at slot_mapping[b]) attends to
+    the first context_lens[b] positions of its blocks block_tables[b]; (B, H, D) in q's dtype. Inputs may be
+    strided views (the rows of a fused QKV output); the last dim must be contiguous."""
+    num_seqs, num_heads, head_dim = q_MHD.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
-    splits = num_splits(num_tokens, num_kv_heads, max_context, q_MHD.device)
-    per_split = -(-max(max_context, 1) // splits)
-    per_split = -(-per_split // BLOCK_N) * BLOCK_N
-    splits = -(-max(max_context, 1) // per_split)
-    q_MHD = q_MHD.contiguous()
-    o_MHSD = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q_MHD.device)
-    lse_MHS = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_MHD.device)
-    _paged_decode_kernel[(num_tokens, num_kv_heads, splits)](
+    for name, t in (("q", q_MHD), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name} needs a contiguous head dim"
+    splits, per_split = split_plan(
+        num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q_MHD.device.index or 0), tuning
+    )
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_MHD.dtype, device=q_MHD.device)
+    if splits > 1:
+        o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q_MHD.device)
+        lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_MHD.device)
+        o_strides, lse_strides = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
+    else:
+        o, lse = out, out  # lse unused
+        o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q_MHD,
+        k_new,
+        v_new,
         k_cache,
         v_cache,
+        slot_mapping,
         block_tables,
-        seq_of_token,
-        kv_len_of_token,
-        o_MHSD,
-        lse_MHS,
+        context_lens,
+        o,
+        lse,
         q_MHD.stride(0),
         q_MHD.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
         block_tables.stride(0),
-        o_MHSD.stride(0),
-        o_MHSD.stride(1),
-        o_MHSD.stride(2),
-        lse_MHS.stride(0),
-        lse_MHS.stride(1),
+        *o_strides,
+        *lse_strides,
         scale,
         block_size,
         per_split,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK=BLOCK_N,
+        BLOCK=tuning.block_n,
+        SPLIT=splits > 1,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
     )
-    if splits == 1:
-        return o_MHSD[:, :, 0].to(q_MHD.dtype)
-    weight_MHS = torch.exp(lse_MHS - lse_MHS.amax(-1, keepdim=True))  # empty splits: exp(-inf) = 0
-    out = (o_MHSD * weight_MHS[..., None]).sum(2) / weight_MHS.sum(-1)[..., None]
-    return out.to(q_MHD.dtype)
+    if splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            o,
+            lse,
+            out,
+            splits,
+            *o_strides,
+            *lse_strides,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out
