@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from tpweave.bench.kernels import categorize, expected_comm, prove
 from tpweave.bench.serve import Request, load_requests, poisson_requests, summarize
@@ -269,3 +270,43 @@ def test_timing_shuffles_arms_per_repetition_with_a_recorded_seed():
     assert timings.orders == again.orders and timings.seed == 7
     assert len({tuple(o) for o in timings.orders}) > 3 and all(sorted(o) == list("abcd") for o in timings.orders)
     assert all(len(t.samples_ms) == 12 for t in timings.values()) and set(timings.runners) == set("abcd")
+
+
+def test_engine_rooflines_count_what_the_model_computes_and_reads():
+    """bench engine's prefill FLOPs: the matmuls torch's flop counter sees in the forward (LM head on the last
+    row), plus causal attention; weight bytes: every parameter but the embedding table (untied)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import tpweave
+    from tpweave.bench.engine import kv_bytes, model_bytes, prefill_flops
+    from tpweave.models import build_model
+
+    model = build_model("tiny", tp=tpweave.TPContext.single(), dtype=torch.float32)
+    m = 64
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(100, (m,)), torch.arange(m), torch.tensor([0, m], dtype=torch.int32),
+              logits_rows=torch.tensor([m - 1]))  # fmt: skip
+    attn = model.model.layers[0].self_attn
+    causal = 2 * 2 * (m * (m + 1) / 2) * attn.num_heads * attn.head_dim * len(model.model.layers)
+    assert prefill_flops(model, m) == counter.get_total_flops() + causal
+    embed = model.model.embed_tokens.weight
+    assert model_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) - embed.numel() * 4
+    model.set_kv_cache(64)
+    per_token = 2 * attn.num_kv_heads * attn.head_dim * 4 * len(model.model.layers)
+    assert kv_bytes(model, [10, 30]) == 40 * per_token
+
+
+def test_engine_results_render_with_their_plot(tmp_path):
+    from tpweave.bench.results import load_results, write_results
+
+    rows = [
+        {"what": "engine_decode", "batch": b, "context": 1024, "step_ms": 6.0 + b / 64, "forward_ms": 5.5 + b / 64,
+         "step_over_forward": 1.08, "roofline_ms": 3.2, "of_roofline": 0.58, "kernels_per_step": 330.0}
+        for b in (1, 64)
+    ]  # fmt: skip
+    rows.append({"what": "engine_prefill", "tokens": 2048, "forward_ms": 45.0, "roofline_ms": 40.0, "of_roofline": 0.9})
+    json_path, md_path = write_results(tmp_path, "engine-x", {"kind": "engine", "model": "m"}, rows)
+    text = md_path.read_text()
+    assert "## Engine decode step" in text and "## Engine prefill vs matmul roofline" in text
+    assert "| 64 | 1024 | 7 |" in text
+    assert load_results(json_path)[1] == rows

@@ -95,3 +95,27 @@ def plot_serve(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def plot_engine(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path | None:
+    """Per decode batch, bars of the engine's step, the graph-replayed forward and the HBM roofline (ms)."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return None
+    rows = sorted(rows, key=lambda r: r["batch"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.27
+    for i, (key, label) in enumerate(
+        (("step_ms", "engine step (median)"), ("forward_ms", "forward, CUDA graph"), ("roofline_ms", "HBM roofline"))
+    ):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ax.bar(xs, [r.get(key) or 0 for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

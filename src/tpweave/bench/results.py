@@ -79,6 +79,9 @@ DECODE_COLUMNS = ["batch", "context", "arm", "ms", *RATIO_COLUMNS, "hidden", "of
 SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_failed", "num_lost", "request_throughput",
                  "output_token_throughput", "vs_baseline", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
                  "itl_ms_p50", "itl_ms_p99"]  # fmt: skip
+ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_ms", "step_over_forward", "roofline_ms",
+                         "of_roofline", "kernels_per_step", "kernels_per_forward", "graph_bucket"]  # fmt: skip
+ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "request_ms", "roofline_ms", "of_roofline", "tokens_per_s"]
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (
@@ -101,6 +104,8 @@ SECTIONS = (
         ("batch", "vs_plain_best", "decode batch", "TPOT speedup over plain_best TP, 95% CI"),
     ),
     ("serve", "Serving", SERVE_COLUMNS, None),
+    ("engine_decode", "Engine decode step (steady state) vs forward vs HBM roofline", ENGINE_DECODE_COLUMNS, None),
+    ("engine_prefill", "Engine prefill vs matmul roofline", ENGINE_PREFILL_COLUMNS, None),
 )
 
 
@@ -143,7 +148,7 @@ def provenance_lines(meta: dict[str, Any]) -> list[str]:
 
 def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> str:
     """Markdown of one result: its metadata, a table per row kind, PNG plots next to it."""
-    from tpweave.bench.plots import plot_serve, plot_speedup
+    from tpweave.bench.plots import plot_engine, plot_serve, plot_speedup
 
     title = f"{meta.get('model', '')} TP={meta.get('tp', '')} {meta.get('dtype', '')} on {meta.get('device', '')}"
     parts = [f"# {name}", "", *provenance_lines(meta), "", "| | |", "|---|---|"]
@@ -161,6 +166,8 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
             png = plot_speedup(kind_rows, plot, f"{section}: {title}", out / f"{name}-{kind}.png")
         elif kind == "serve":
             png = plot_serve(kind_rows, f"{section}: {title}", out / f"{name}-{kind}.png")
+        elif kind == "engine_decode":
+            png = plot_engine(kind_rows, f"Decode: {title}", out / f"{name}-{kind}.png")
         if png is not None:
             parts += [f"![{section}]({png.name})", ""]
         parts += [markdown_table(kind_rows, columns), ""]

@@ -270,3 +270,65 @@ def _serve_failures(rows: list[dict]) -> str | None:
             errors = f" ({'; '.join(r['errors'][:2])})" if r.get("errors") else ""
             parts.append(f"{cell}: {what}{errors}")
     return " | ".join(parts) or None
+
+
+def bench_engine_worker(ctx, model, dtype_name, num_layers, settings, engine_kwargs):
+    """(rows, record) of bench/engine.py's bench_engine on this rank."""
+    from tpweave.bench.engine import bench_engine
+
+    return bench_engine(
+        ctx, model, dtype_name=dtype_name, num_layers=num_layers, settings=settings, engine_kwargs=engine_kwargs
+    )
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    """Time the engine's decode steps against the graph-replayed forward and the HBM roofline, and prefill
+    against the matmul roofline; write the results. Exit status 1 when the model's compilation fell back."""
+    import torch
+
+    from tpweave.bench.engine import EngineBenchSettings
+    from tpweave.bench.provenance import gpu_state
+    from tpweave.bench.results import (
+        ENGINE_DECODE_COLUMNS,
+        ENGINE_PREFILL_COLUMNS,
+        markdown_table,
+        run_metadata,
+        write_results,
+    )
+
+    cfg = model_config(args, **({"num_layers": args.num_layers} if args.num_layers else {}))
+    if not torch.cuda.is_available():
+        raise CLIError("bench engine measures against the GPU's roofline: it needs a CUDA GPU (none found)")
+    longest = max(args.context + 64, max(args.prefill) + 8)
+    if longest > cfg.max_position_embeddings:
+        raise CLIError(
+            f"--context {args.context} / --prefill {max(args.prefill)} need {longest} positions; the model has "
+            f"{cfg.max_position_embeddings}"
+        )
+    if args.context <= args.num_iters + args.num_iters_warmup + 2:
+        raise CLIError(f"--context {args.context} must exceed --num-iters + --num-iters-warmup + 2 (the steps timed)")
+    opts = rank_options(args)
+    out, name = _out(args, f"engine-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
+    settings = EngineBenchSettings(
+        batches=tuple(args.batch_sizes), context=args.context, prefill=tuple(args.prefill), steps=args.num_iters,
+        warmup_steps=args.num_iters_warmup,
+    )  # fmt: skip
+    engine_kwargs = {"cuda_graphs": not args.enforce_eager, "compile_model": not args.no_compile,
+                     "async_scheduling": not args.sync_scheduling}  # fmt: skip
+    gpus_start = gpu_state()
+    worker_args = (args.model, args.dtype, args.num_layers, settings, engine_kwargs)
+    rows, record = run_ranks(bench_engine_worker, *worker_args, opts=opts)[0]
+    failures = "; ".join(f"fallback: {f}" for f in record["fallbacks"]) or None
+    meta = run_metadata(
+        {"kind": "engine", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
+         "failures": failures, **record},
+        gpus_start=gpus_start,
+    )  # fmt: skip
+    print(markdown_table([r for r in rows if r["what"] == "engine_decode"], ENGINE_DECODE_COLUMNS))
+    print(markdown_table([r for r in rows if r["what"] == "engine_prefill"], ENGINE_PREFILL_COLUMNS))
+    json_path, md_path = write_results(out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    if failures:
+        print(f"FAILED: {failures}")
+        return EXIT_FAILED
+    return EXIT_OK

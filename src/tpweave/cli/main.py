@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tpweave.cli.bench import cmd_bench_latency, cmd_bench_layer, cmd_bench_serve, cmd_calibrate
+from tpweave.cli.bench import cmd_bench_engine, cmd_bench_latency, cmd_bench_layer, cmd_bench_serve, cmd_calibrate
 from tpweave.cli.demo import cmd_demo
 from tpweave.cli.errors import EXIT_FAILED, EXIT_USAGE, CLIError
 from tpweave.cli.generate import cmd_generate
@@ -21,6 +21,7 @@ COMMANDS = {
     "bench layer": cmd_bench_layer,
     "bench latency": cmd_bench_latency,
     "bench serve": cmd_bench_serve,
+    "bench engine": cmd_bench_engine,
     "report": cmd_report,
 }
 

@@ -208,7 +208,7 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     gen.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
     gen.set_defaults(fn=commands["generate"])
 
-    bench = command("bench", "benchmarks: layer, latency, serve")
+    bench = command("bench", "benchmarks: layer, latency, serve, engine")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True, parser_class=Parser)
     layer = command("layer", "per layer and per op: baseline, SP, SP + fused ops, auto, compute-only", bench_sub)
     _model(layer, "llama3-8b")
@@ -282,6 +282,25 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     serve.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts")
     _output(serve)
     serve.set_defaults(fn=commands["bench serve"])
+
+    eng = command(
+        "engine", "the reference engine: decode step vs graph-replayed forward vs HBM roofline, prefill", bench_sub
+    )
+    _model(eng, "llama3-8b")
+    _ranks(eng, timeout=3600)
+    eng.set_defaults(tp=1)
+    _dtype(eng, "bfloat16")
+    eng.add_argument("--num-layers", type=positive_int, default=None, help="override the model's layer count")
+    eng.add_argument("--batch-sizes", type=token_counts, default="1,64,256", help="decode batches (sequences)")
+    eng.add_argument("--context", type=positive_int, default=1024, help="tokens of context per decoding sequence")
+    eng.add_argument("--prefill", type=token_counts, default="2048", help="prompt lengths of the prefill rows")
+    eng.add_argument("--num-iters", type=positive_int, default=64, help="timed engine steps per decode batch")
+    eng.add_argument("--num-iters-warmup", type=non_negative_int, default=8, help="untimed steps before them")
+    eng.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    eng.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
+    eng.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before planning the next")
+    _output(eng)
+    eng.set_defaults(fn=commands["bench engine"])
 
     rep = command("report", "render result JSON files as one markdown report with PNG plots")
     rep.add_argument("results", nargs="+", help="result JSON files written by tpweave bench")

@@ -1,0 +1,280 @@
+"""`tpweave bench engine`: the reference engine against the limits of its GPU.
+
+Decode, per batch B at context C: the engine's step in steady state (B sequences decoding, wall time
+between consecutive step() returns: host work, launch and the wait for the device, as a client sees
+it) next to the forward alone (the decode CUDA graph of that step replayed back to back) and the HBM
+roofline (every weight byte once + the K/V the step reads, at the GPU's HBM bandwidth). Kernels per
+step come from torch.profiler over steady steps. Prefill of N tokens: the compiled forward next to the
+matmul roofline (its FLOPs at the bf16 GEMM rate measured on this GPU in the same run), and the engine's
+time for a one-token request of N prompt tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpweave.bench.stats import median
+from tpweave.engine import LLMEngine, SamplingParams
+from tpweave.engine.scheduler import ScheduledChunk
+from tpweave.engine.sequence import Sequence
+from tpweave.log import progress
+from tpweave.models.config import DTYPES
+from tpweave.runtime.context import TPContext
+
+# HBM bandwidth by GPU name (vendor datasheets, bytes/s); other GPUs: the copy bandwidth measured in the run.
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineBenchSettings:
+    """Shapes and repetitions: decode batches at `context` tokens, prefill token counts, `steps` timed engine
+    steps per batch (after `warmup_steps`), `replays` timed forward replays."""
+
+    batches: tuple[int, ...] = (1, 64, 256)
+    context: int = 1024
+    prefill: tuple[int, ...] = (2048,)
+    steps: int = 64
+    warmup_steps: int = 8
+    replays: int = 50
+
+
+def hbm_bandwidth(device: torch.device) -> tuple[float, str]:
+    """(bytes/s, where it comes from): the datasheet figure of a known GPU, else a measured device copy."""
+    name = torch.cuda.get_device_name(device)
+    for key, bw in HBM_BYTES_PER_S.items():
+        if all(part in name for part in key.split()):
+            return bw, f"datasheet ({key})"
+    return copy_bandwidth(device), "measured copy"
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
+    """Bytes/s of a device-to-device copy of nbytes (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _event_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / (median(ms) / 1e3)
+
+
+def gemm_flops_per_s(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n matmul in dtype: the practical matmul peak of this GPU."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = _event_ms(lambda: a @ b, reps=20)
+    return 2 * n**3 / (median(ms) / 1e3)
+
+
+def _event_ms(fn, *, reps: int, warmup: int = 3) -> list[float]:
+    """Per-call milliseconds of fn, one CUDA-event pair around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights: every parameter once, except the embedding table (a
+    step reads B of its rows) unless the LM head shares it."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head.weight is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def kv_bytes(model: torch.nn.Module, context_lens: list[int]) -> int:
+    """Bytes of K and V a decode step reads for sequences of these context lengths (this rank's kv heads)."""
+    attn = model.model.layers[0].self_attn
+    per_token = 2 * attn.num_kv_heads * attn.head_dim * attn.k_cache.element_size()
+    return per_token * sum(context_lens) * len(model.model.layers)
+
+
+def prefill_flops(model: torch.nn.Module, num_tokens: int) -> float:
+    """FLOPs of one fresh sequence of num_tokens: every decoder matmul over all rows, the LM head over the
+    last row, causal attention (QK^T and PV over the lower triangle) in every layer."""
+    layers = model.model.layers
+    linear = sum(
+        m.weight.numel() for layer in layers for m in layer.modules() if hasattr(m, "weight") and m.weight.dim() == 2
+    )
+    attn = layers[0].self_attn
+    attention = 2 * 2 * (num_tokens * (num_tokens + 1) / 2) * attn.num_heads * attn.head_dim * len(layers)
+    return 2 * linear * num_tokens + 2 * model.lm_head.weight.numel() + attention
+
+
+def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int]]:
+    """Device kernels per call of fn (torch.profiler, kernels inside CUDA-graph replays included; copies
+    and memsets not counted) and the kernel names with their counts over all calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    names: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")):
+            names[e.name] = names.get(e.name, 0) + 1
+    return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1]))
+
+
+def _rewind_graph_inputs(runner, batch: int, context: int) -> list[int]:
+    """Set the first `batch` rows of the decode graphs' static inputs (left by the engine's last step) to
+    a step at `context` tokens per sequence, in the same blocks; their context lengths."""
+    ids, pos, slots, ctx_lens, tables = (t[:batch] for t in runner._static)
+    bs = runner.block_size
+    pos.fill_(context - 1)
+    ctx_lens.fill_(context)
+    slots.copy_(tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs)
+    return ctx_lens.tolist()
+
+
+def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, hbm: float) -> list[dict]:
+    rows = []
+    model, runner = engine.runner.model, engine.runner
+    rng = random.Random(0)
+    for batch in sorted(settings.batches, reverse=True):
+        progress("decode batch %d at context %d: engine steps", batch, settings.context)
+        prompt_len = settings.context - settings.warmup_steps - settings.steps // 2
+        params = SamplingParams(max_tokens=settings.warmup_steps + settings.steps + 8)
+        seqs = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
+                for _ in range(batch)]  # fmt: skip
+        while min(len(s.output_token_ids) for s in seqs) < 2:  # every prompt prefilled, every sequence decoding
+            engine.step()
+        for _ in range(settings.warmup_steps):
+            engine.step()
+        step_ms = []
+        first_context = seqs[0].num_tokens
+        t = time.perf_counter()
+        for _ in range(settings.steps):
+            engine.step()
+            now = time.perf_counter()
+            step_ms.append((now - t) * 1e3)
+            t = now
+        timed_context = (first_context + seqs[0].num_tokens) / 2  # mean context of the timed steps
+        kernels_step, _ = count_kernels(engine.step, calls=4)
+        assert all(s.finish_reason is None for s in seqs), "a sequence ended while its steps were timed"
+        while engine.has_unfinished():
+            engine.step()
+        # The forward alone: the decode graph that ran these steps, its inputs as the engine's last step left
+        # them (those sequences' blocks are free now: the replays write nothing another sequence reads).
+        buckets = [b for b in sorted(runner.graphs) if b >= batch]
+        graph = runner.graphs[buckets[0]] if buckets else None
+        context_lens = _rewind_graph_inputs(runner, batch, round(timed_context)) if graph is not None else []
+        row: dict[str, Any] = {
+            "what": "engine_decode",
+            "batch": batch,
+            "context": settings.context,
+            "step_ms": median(step_ms),
+            "step_ms_p90": float(np.percentile(step_ms, 90)),
+            "step_ms_samples": step_ms,
+            "kernels_per_step": kernels_step,
+        }
+        if graph is not None:
+            fwd_ms = _event_ms(graph.replay, reps=settings.replays)
+            kernels_fwd, names = count_kernels(graph.replay, calls=2)
+            roofline = (model_bytes(model) + kv_bytes(model, context_lens)) / hbm * 1e3
+            row |= {
+                "graph_bucket": buckets[0],
+                "forward_context": round(float(np.mean(context_lens))),
+                "forward_ms": median(fwd_ms),
+                "forward_ms_samples": fwd_ms,
+                "step_over_forward": median(step_ms) / median(fwd_ms),
+                "roofline_ms": roofline,
+                "of_roofline": roofline / median(fwd_ms),
+                "kernels_per_forward": kernels_fwd,
+                "forward_kernels": names,
+            }
+        rows.append(row)
+    return rows
+
+
+def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, peak: float) -> list[dict]:
+    rows = []
+    runner, model = engine.runner, engine.runner.model
+    rng = random.Random(1)
+    for num_tokens in settings.prefill:
+        progress("prefill of %d tokens", num_tokens)
+        prompt = [rng.randrange(engine.vocab_size) for _ in range(num_tokens)]
+        seq = Sequence(prompt)
+        engine.scheduler.blocks.grow(seq, num_tokens)
+        args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)])
+        with torch.no_grad():
+            fwd_ms = _event_ms(lambda: runner.forward(*args), reps=max(settings.replays // 5, 5))
+        engine.scheduler.blocks.free(seq)
+        step_ms = []
+        for _ in range(max(settings.replays // 5, 5)):
+            t = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1))
+            step_ms.append((time.perf_counter() - t) * 1e3)
+        roofline = prefill_flops(model, num_tokens) / peak * 1e3
+        rows.append({
+            "what": "engine_prefill",
+            "tokens": num_tokens,
+            "forward_ms": median(fwd_ms),
+            "forward_ms_samples": fwd_ms,
+            "request_ms": median(step_ms),
+            "request_ms_samples": step_ms,
+            "roofline_ms": roofline,
+            "of_roofline": roofline / median(fwd_ms),
+            "tokens_per_s": num_tokens / (median(fwd_ms) / 1e3),
+        })  # fmt: skip
+    return rows
+
+
+def bench_engine(
+    ctx: TPContext,
+    model: str,
+    *,
+    dtype_name: str,
+    num_layers: int | None,
+    settings: EngineBenchSettings,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(rows, record): rows of kind engine_decode and engine_prefill; the record has the limits used (HBM
+    bandwidth and its source, the measured matmul rate), the engine's build time and its compile report."""
+    dtype = DTYPES[dtype_name]
+    overrides = {"num_layers": num_layers} if num_layers else {}
+    max_len = settings.context + 64
+    kwargs = dict(
+        dtype=dtype,
+        max_num_seqs=max(settings.batches),
+        max_num_batched_tokens=max(max(settings.prefill, default=0), max(settings.batches), 2048),
+        max_model_len=max(max_len, max(settings.prefill, default=0) + 8),
+        **overrides,
+        **(engine_kwargs or {}),
+    )
+    t = time.perf_counter()
+    engine = LLMEngine(ctx, model, **kwargs)
+    build_s = time.perf_counter() - t
+    dev = ctx.device
+    hbm, hbm_source = hbm_bandwidth(dev)
+    peak = gemm_flops_per_s(dev, dtype)
+    rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings, peak)
+    report = getattr(engine.runner.forward, "compile_report", None)
+    record = {
+        "hbm_bytes_per_s": hbm,
+        "hbm_source": hbm_source,
+        "copy_bytes_per_s": copy_bandwidth(dev),
+        "matmul_flops_per_s": peak,
+        "engine_build_s": build_s,
+        "engine": {k: str(v) for k, v in kwargs.items()},
+        "async_scheduling": engine.config.async_scheduling,
+        "compile_report": report.to_dict() if report is not None else None,
+        "fallbacks": report.fallbacks() if report is not None else [],
+    }
+    engine.release()
+    return rows, record
