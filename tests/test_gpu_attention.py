@@ -80,7 +80,11 @@ def test_decode_kernel_is_cuda_graph_safe():
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
         out = run()
-    ctx.copy_(ctx - 1)  # metadata updated in place, as the engine does between replays
+    # metadata updated in place, as the engine does between replays: one token less of context, the new
+    # token's slot that of the last position
+    ctx.copy_(ctx - 1)
+    pos = ctx.long() - 1
+    slots.copy_(tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs)
     graph.replay()
     ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs, scale)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

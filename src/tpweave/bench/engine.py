@@ -1,13 +1,13 @@
 """`tpweave bench engine`: the reference engine against the limits of its GPU.
 
-Decode, per batch B at context C: the engine's step in steady state (B sequences decoding, wall time
-between consecutive step() returns: host work, launch and the wait for the device, as a client sees
-it) next to the forward alone (the decode CUDA graph of that step replayed back to back) and the HBM
-roofline (every weight byte once + the K/V the step reads, at the GPU's HBM bandwidth). Kernels per
-step come from torch.profiler over steady steps. Prefill of N tokens: the compiled forward next to the
-matmul roofline (its FLOPs at the bf16 GEMM rate measured on this GPU in the same run), and the engine's
-time for a one-token request of N prompt tokens.
-"""
+Decode, per batch B at context C: the engine's step in steady state (B sequences decoding from the
+first step on, their contexts centered on C over the timed steps; wall time between consecutive
+step() returns: host work, launch and the wait for the device, as a client sees it) next to the
+forward alone (the decode CUDA graph of that step replayed back to back) and the HBM roofline (every
+weight byte once + the K/V the step reads, at the GPU's HBM bandwidth). Kernels per step come from
+torch.profiler over steady steps. Prefill of N tokens: the compiled forward next to the matmul roofline
+(its FLOPs at the bf16 GEMM rate measured on this GPU in the same run), and the engine's time for a
+one-token request of N prompt tokens."""
 
 from __future__ import annotations
 
@@ -131,6 +131,16 @@ def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int]]:
     return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1]))
 
 
+def _decoding(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Sequence:
+    """A request placed in decode state: all but its last prompt token counted as in the KV cache (blocks
+    allocated, contents not computed: a decode step costs the same whatever the cached values), so every
+    step from the first is a decode step at the prompt's full context."""
+    seq = engine.add_request(prompt, params)
+    engine.scheduler.blocks.grow(seq, len(prompt) - 1)
+    seq.num_computed_tokens = len(prompt) - 1
+    return seq
+
+
 def _rewind_graph_inputs(runner, batch: int, context: int) -> list[int]:
     """Set the first `batch` rows of the decode graphs' static inputs (left by the engine's last step) to
     a step at `context` tokens per sequence, in the same blocks; their context lengths."""
@@ -148,12 +158,10 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
     rng = random.Random(0)
     for batch in sorted(settings.batches, reverse=True):
         progress("decode batch %d at context %d: engine steps", batch, settings.context)
-        prompt_len = settings.context - settings.warmup_steps - settings.steps // 2
+        prompt_len = settings.context - settings.warmup_steps - settings.steps // 2  # timed steps centered on it
         params = SamplingParams(max_tokens=settings.warmup_steps + settings.steps + 8)
-        seqs = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
+        seqs = [_decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
                 for _ in range(batch)]  # fmt: skip
-        while min(len(s.output_token_ids) for s in seqs) < 2:  # every prompt prefilled, every sequence decoding
-            engine.step()
         for _ in range(settings.warmup_steps):
             engine.step()
         step_ms = []

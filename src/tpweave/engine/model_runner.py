@@ -218,16 +218,18 @@ class ModelRunner:
 
     @torch.no_grad()
     def _largest_step(self, num_tokens: int) -> None:
-        """One prefill step of num_tokens tokens whose K/V all go to the pad block (never read)."""
+        """One prefill step of num_tokens tokens in two sequences (one sequence would make Dynamo specialize
+        the batch dim to 1, and every other step compile another graph) whose K/V all go to the pad block."""
         dev, bs = self.ctx.device, self.block_size
-        pos = torch.arange(num_tokens, device=dev)
-        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
+        first = max(num_tokens // 2, 1)
+        lens = [first, num_tokens - first] if num_tokens >= 2 else [num_tokens]
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
         slots = self.pad_block * bs + pos % bs
-        tables = torch.full((1, -(-num_tokens // bs)), self.pad_block, dtype=torch.int32, device=dev)
+        tables = torch.full((len(lens), -(-max(lens) // bs)), self.pad_block, dtype=torch.int32, device=dev)
         positions = pos % self.model.config.max_position_embeddings
-        self.forward(
-            torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, cu, slots, cu[1:], tables, bs, cu[1:] - 1
-        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        self.forward(ids, positions, cu, slots, cu[1:] - cu[:-1], tables, bs, cu[1:].long() - 1)
         torch.cuda.synchronize(dev)
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
