@@ -187,13 +187,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions_M: Tensor, q_MHD: Tensor, k_MKD: Tensor) -> tuple[Tensor, Tensor]:
         """q (M, H, D) and k (M, K, D) rotated by the angles of their tokens' positions (M,)."""
-        return self.rotate(positions_M, q_MHD), self.rotate(positions_M, k_MKD)
-
-    def rotate(self, positions_M: Tensor, x_MXD: Tensor) -> Tensor:
-        """Every head of x (M, X, D) rotated by the angles of its token's position (M,): q and k heads side by
-        side in one tensor make one kernel."""
         cos, sin = self.cos_sin[positions_M].unsqueeze(1).chunk(2, dim=-1)  # (M, 1, D/2)
-        return _rotate(x_MXD, cos, sin)
+        return _rotate(q_MHD, cos, sin), _rotate(k_MKD, cos, sin)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -70,8 +70,8 @@ class Attention(nn.Module):
         # View the contiguous qkv output as heads first, then split: views of the non-contiguous
         # q/k/v slices would make Inductor guard on M == 1 (a recompile at decode of one sequence).
         qkv_MXD = self.qkv_proj(x_MH).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv_MXD.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = self.rotary.rotate(positions_M, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k, v = qkv_MXD.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotary(positions_M, q, k)
         if kv is None:
             o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
         else:
