@@ -28,6 +28,7 @@ from tpweave.models.config import DTYPES
 from tpweave.runtime.context import TPContext
 
 # HBM bandwidth by GPU name (vendor datasheets, bytes/s); other GPUs: the copy bandwidth measured in the run.
+REPLAYS_PER_SAMPLE = 5  # back to back between two events: a replay's launch hides behind the one before
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
 
 
@@ -114,9 +115,21 @@ def prefill_flops(model: torch.nn.Module, num_tokens: int) -> float:
     return 2 * linear * num_tokens + 2 * model.lm_head.weight.numel() + attention
 
 
-def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int]]:
-    """Device kernels per call of fn (torch.profiler, kernels inside CUDA-graph replays included; copies
-    and memsets not counted) and the kernel names with their counts over all calls."""
+KERNEL_KINDS = (
+    ("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma")),
+    ("attention", ("_decode_kernel", "_merge_kernel", "flash", "fmha")),
+)
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int], dict[str, float]]:
+    """Per call of fn: device kernels (torch.profiler, kernels inside CUDA-graph replays included; copies
+    and memsets not counted), and milliseconds of kernel time by kind (gemm, attention, other); and the
+    kernel names with their counts over all calls."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -125,10 +138,12 @@ def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int]]:
             fn()
         torch.cuda.synchronize()
     names: dict[str, int] = {}
+    ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")):
             names[e.name] = names.get(e.name, 0) + 1
-    return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1]))
+            ms[_kind(e.name)] += e.time_range.elapsed_us() / 1e3 / calls
+    return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1])), ms
 
 
 def _decoding(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Sequence:
@@ -173,7 +188,7 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
             step_ms.append((now - t) * 1e3)
             t = now
         timed_context = (first_context + seqs[0].num_tokens) / 2  # mean context of the timed steps
-        kernels_step, _ = count_kernels(engine.step, calls=4)
+        kernels_step, _, _ = count_kernels(engine.step, calls=4)
         assert all(s.finish_reason is None for s in seqs), "a sequence ended while its steps were timed"
         while engine.has_unfinished():
             engine.step()
@@ -192,8 +207,9 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
             "kernels_per_step": kernels_step,
         }
         if graph is not None:
-            fwd_ms = _event_ms(graph.replay, reps=settings.replays)
-            kernels_fwd, names = count_kernels(graph.replay, calls=2)
+            fwd_ms = _event_ms(lambda: [graph.replay() for _ in range(REPLAYS_PER_SAMPLE)], reps=settings.replays)
+            fwd_ms = [t / REPLAYS_PER_SAMPLE for t in fwd_ms]
+            kernels_fwd, names, kind_ms = count_kernels(graph.replay, calls=2)
             roofline = (model_bytes(model) + kv_bytes(model, context_lens)) / hbm * 1e3
             row |= {
                 "graph_bucket": buckets[0],
@@ -204,6 +220,7 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
                 "roofline_ms": roofline,
                 "of_roofline": roofline / median(fwd_ms),
                 "kernels_per_forward": kernels_fwd,
+                **{f"{kind}_ms": v for kind, v in kind_ms.items()},
                 "forward_kernels": names,
             }
         rows.append(row)
@@ -222,6 +239,7 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
         args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)])
         with torch.no_grad():
             fwd_ms = _event_ms(lambda: runner.forward(*args), reps=max(settings.replays // 5, 5))
+        _, _, kind_ms = count_kernels(lambda: runner.forward(*args), calls=2)
         engine.scheduler.blocks.free(seq)
         step_ms = []
         for _ in range(max(settings.replays // 5, 5)):
@@ -239,6 +257,7 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
             "roofline_ms": roofline,
             "of_roofline": roofline / median(fwd_ms),
             "tokens_per_s": num_tokens / (median(fwd_ms) / 1e3),
+            **{f"{kind}_ms": v for kind, v in kind_ms.items()},
         })  # fmt: skip
     return rows
 

@@ -80,8 +80,10 @@ SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_faile
                  "output_token_throughput", "vs_baseline", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
                  "itl_ms_p50", "itl_ms_p99"]  # fmt: skip
 ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_ms", "step_over_forward", "roofline_ms",
-                         "of_roofline", "kernels_per_step", "kernels_per_forward", "graph_bucket"]  # fmt: skip
-ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "request_ms", "roofline_ms", "of_roofline", "tokens_per_s"]
+                         "of_roofline", "gemm_ms", "attention_ms", "other_ms", "kernels_per_step",
+                         "kernels_per_forward", "graph_bucket"]  # fmt: skip
+ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "request_ms", "roofline_ms", "of_roofline", "tokens_per_s", "gemm_ms",
+                          "attention_ms", "other_ms"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (
