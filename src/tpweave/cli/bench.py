@@ -297,8 +297,6 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     )
 
     cfg = model_config(args, **({"num_layers": args.num_layers} if args.num_layers else {}))
-    if not torch.cuda.is_available():
-        raise CLIError("bench engine measures against the GPU's roofline: it needs a CUDA GPU (none found)")
     longest = max(args.context + 64, max(args.prefill) + 8)
     if longest > cfg.max_position_embeddings:
         raise CLIError(
@@ -307,6 +305,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         )
     if args.context <= args.num_iters + args.num_iters_warmup + 2:
         raise CLIError(f"--context {args.context} must exceed --num-iters + --num-iters-warmup + 2 (the steps timed)")
+    if not torch.cuda.is_available():
+        raise CLIError("bench engine measures against the GPU's roofline: it needs a CUDA GPU (none found)")
     opts = rank_options(args)
     out, name = _out(args, f"engine-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     settings = EngineBenchSettings(
