@@ -556,3 +556,63 @@ def test_graph_breaks_and_recompile_limit_are_reported():
         assert num_compiles == 2 and notes == [], notes
         _, notes, num_compiles, _ = rank_out["gemma"]
         assert num_compiles == 0 and any("recompile limit" in n and "'forward'" in n for n in notes), notes
+
+
+TOKEN_SPLIT = {"sp": False, "token_split_min_tokens": 4, "table": None, "all_reduce_rms_norm_policy": "sequential"}
+
+
+def uninterleaved_all_reduces(schedule: list[str]) -> list[int]:
+    """Positions of the all-reduce starts (all but the last) with no matmul of the other subset between them
+    and their waits, in a token-split graph's schedule ("mm A", "all_reduce B", "wait B", ...)."""
+    starts = [i for i, e in enumerate(schedule) if e.startswith("all_reduce")]
+    bad = []
+    for i in starts[:-1]:
+        subset = schedule[i].split()[1]
+        wait = next(j for j in range(i + 1, len(schedule)) if schedule[j] == f"wait {subset}")
+        if f"mm {'B' if subset == 'A' else 'A'}" not in schedule[i + 1 : wait]:
+            bad.append(i)
+    return bad
+
+
+def test_the_interleaving_check_catches_lock_step_subsets():
+    lock_step = ["mm A", "mm B", "all_reduce A", "all_reduce B", "wait A", "wait B", "mm A", "mm B"]
+    assert uninterleaved_all_reduces(lock_step) == [2]
+    staggered = ["mm A", "all_reduce A", "mm B", "all_reduce B", "wait A", "mm A", "wait B", "mm B"]
+    assert uninterleaved_all_reduces(staggered) == []
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, reference_logits):
+    """The plain TP graph as two token subsets (compiler/token_split.py), the split variant from M = 4 on:
+    logits equal eager TP and the unsharded model at M odd, M < 2 x TP, and batches of three sequences whose
+    split falls inside one; one split graph for every M >= 4; every layer's two all-reduces run once per
+    subset, each (but the last) with the other subset's matmuls between its start and its wait."""
+    counts = [1, 3, 5, 64, 129]
+    dtypes = ("float32", "bfloat16")
+    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, dtypes, TOKEN_SPLIT, nprocs=tp)
+    for rank_out in results:
+        for dtype in dtypes:
+            split = [g for g in rank_out[(dtype, "graphs")] if g[0] == "split"]
+            assert len(split) == 1, rank_out[(dtype, "report")]
+            _, before, after, sites = split[0]
+            assert before == {"all_reduce": 2 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
+            # the embedding's all-reduce (no matmul before it) is left whole
+            assert after == {"all_reduce": 4 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
+            assert [s[2] for s in sites if s[1] == "token split"] == ["subset A", "subset B"] * 2 * NUM_LAYERS
+            (schedule,) = [s for v, s, _ in rank_out[(dtype, "schedules")] if v == "split"]
+            # qkv, o_proj, gate_up, down per layer, and the LM head (logits of every token here)
+            assert schedule.count("mm A") == schedule.count("mm B") == 4 * NUM_LAYERS + 1
+            assert uninterleaved_all_reduces(schedule) == [], schedule
+            for m in counts:
+                got = rank_out[(dtype, m, "compiled")]
+                assert _close(got, rank_out[(dtype, m, "eager")], dtype), (tp, dtype, m)
+                assert _close(got, reference_logits[(dtype, m)], dtype), (tp, dtype, m)
+
+
+def test_token_split_leaves_batch_seq_models_alone_with_a_note():
+    """(batch, seq) activations are not split yet: the graph stays the plain one, the report says why."""
+    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, compile_kwargs=TOKEN_SPLIT, nprocs=2)
+    for rank_out in results:
+        for compiled, eager in zip(rank_out["compiled"], rank_out["eager"]):
+            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+        assert "(batch, seq) models are not split yet" in rank_out["report"], rank_out["report"]

@@ -188,14 +188,14 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_layer_compiles_every_arm_at_every_size():
-    """Every arm of `bench layer` compiles the same LayerStack code object: 8 arms x (the graph for M >= 2,
+    """Every arm of `bench layer` compiles the same LayerStack code object: 9 arms x (the graph for M >= 2,
     the one for M = 1) exceed Dynamo's recompile limit, past which it runs the later arms eagerly without a
     word. The harness raises the limit while it compiles, and records each arm's compile report."""
     tokens = [1, 16, 33]
     rows, record = tpweave.launch(workers.bench_layers_record, tokens, nprocs=2, timeout_s=900)[0]
     assert record["fallbacks"] == [], record["fallbacks"]
     reports = record["compile_reports"]
-    assert set(reports) == {"plain_nccl", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only"}
+    assert set(reports) == {"plain_nccl", "sp_seq", "sp_fused", "token_split", "auto", "auto_aa", "compute_only"}
     for arm, report in reports.items():
         assert report["num_compiles"] >= 2 and not report["recompile_limit_hit_in"], (arm, report["notes"])
     assert sorted(record["orders"]) == tokens and all(len(o) == 2 for o in record["orders"].values())

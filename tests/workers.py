@@ -226,6 +226,7 @@ def llama_compiled_outputs(
             (g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites])
             for g in rep.graphs
         ]
+        out[(name, "schedules")] = [(g.variant, list(g.schedule), list(g.notes)) for g in rep.graphs]
         out[(name, "num_compiles")] = rep.num_compiles
         out[(name, "strategies_at_1")] = sorted(compiled.strategies_at(1))
     return out

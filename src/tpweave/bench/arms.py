@@ -6,6 +6,8 @@ Arms (each compiled separately, strict: a pass failure fails the run):
   NCCL, torch's symm-mem one-shot and two-shot all-reduce (the candidates plain_nccl, plain_one_shot,
   plain_two_shot are all timed; plain_best is the fastest at each M), Inductor's own add + norm.
 - sp_seq: sequence parallel with plain collectives; sp_fused: SP + torch's fused AG+MM / MM+RS.
+- token_split: the plain graph as two token subsets whose NCCL all-reduces overlap the other subset's
+  compute (compiler/token_split.py), from M = 4 on (below it the plain graph).
 - auto: tpweave as users run it (the calibrated table); auto_aa: auto compiled and captured a second
   time, the A/A control: any difference between auto and auto_aa is the harness's noise or bias.
 - compute_only: the same shards without any communication: the limit.
@@ -32,7 +34,8 @@ PLAIN_ALL_REDUCES = {
     "plain_one_shot": "symm_mem_one_shot",
     "plain_two_shot": "symm_mem_two_shot",
 }
-ARMS = ("plain_best", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only")
+ARMS = ("plain_best", "sp_seq", "sp_fused", "token_split", "auto", "auto_aa", "compute_only")
+TOKEN_SPLIT_MIN_TOKENS = 4
 
 
 def plain_candidates(probe: torch.Tensor) -> dict[str, str]:
@@ -49,6 +52,7 @@ def arm_options(arm: str, *, table, fused: str, auto_sp: bool | None = None) -> 
         "sp_fused": CompileOptions(
             sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None, strict=True
         ),
+        "token_split": PLAIN_TP.replace({"token_split_min_tokens": TOKEN_SPLIT_MIN_TOKENS, "strict": True}),
         "auto": CompileOptions(sp=auto_sp, table=table, strict=True),
         "auto_aa": CompileOptions(sp=auto_sp, table=table, strict=True),
         "compute_only": CompileOptions(sp=False, table=None, strict=True),

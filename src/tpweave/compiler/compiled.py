@@ -83,12 +83,12 @@ class CompiledTP:
     """Callable with the module's signature; dispatches each call to the SP or the plain graph by M."""
 
     module: torch.nn.Module
-    variants: dict[str, Callable]  # "plain", and "sp" when sequence parallelism is on
+    variants: dict[str, Callable]  # "plain", "sp" when sequence parallelism is on, "split" with token split
     plan: CompilePlan
     compile_report: CompileReport
     num_tokens_fn: Callable[[tuple], int] = field(default=lambda args: default_num_tokens(args))
     eager: Callable | None = None  # what runs when Dynamo cannot trace: the module or its bound method
-    calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "plain": 0})
+    calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "split": 0, "plain": 0})
     # (variant, M == 1) -> index in compile_report.graphs of the graph compiled when such an M first ran
     graph_of: dict[tuple[str, bool], int] = field(default_factory=dict)
 
@@ -102,8 +102,11 @@ class CompiledTP:
         return self.plan.sp_min_tokens
 
     def variant_for(self, num_tokens: int) -> str:
-        """ "sp" or "plain": the graph variant that serves M = num_tokens."""
-        return "sp" if "sp" in self.variants and num_tokens >= self.sp_min_tokens else "plain"
+        """ "sp", "split" or "plain": the graph variant that serves M = num_tokens (SP first)."""
+        if "sp" in self.variants and num_tokens >= self.sp_min_tokens:
+            return "sp"
+        split = self.plan.token_split_min_tokens
+        return "split" if "split" in self.variants and num_tokens >= split else "plain"
 
     def graph_report_for(self, num_tokens: int):
         """The GraphReport of the graph that serves M = num_tokens (after a call with such an M), else None."""

@@ -40,6 +40,9 @@ class CompileOptions:
     sp: bool | None = None  # sequence parallelism (+ async TP); None: on when TP > 1
     async_tp: bool = True  # fuse the SP graph's all-gathers / reduce-scatters with their matmuls
     sp_min_tokens: int | None = None  # the SP graph from this M on, the plain TP graph below
+    # below sp_min_tokens, from this M on: the plain graph run as two token subsets whose all-reduces overlap the
+    # other subset's compute (compiler/token_split.py); None: off
+    token_split_min_tokens: int | None = None
     table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY
@@ -60,6 +63,10 @@ class CompileOptions:
             isinstance(self.sp_min_tokens, bool) or not isinstance(self.sp_min_tokens, int) or self.sp_min_tokens < 0
         ):
             raise ValueError(f"sp_min_tokens must be >= 0 (an integer, or None), got {self.sp_min_tokens!r}")
+        split = self.token_split_min_tokens
+        # >= 4: both subsets get >= 2 rows (a 1-row subset would make Inductor specialize, one more graph)
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 4):
+            raise ValueError(f"token_split_min_tokens must be >= 4 (an integer, or None), got {split!r}")
         if not (self.table is None or self.table == "auto" or isinstance(self.table, StrategyTable)):
             raise ValueError(f"table must be a StrategyTable, None or 'auto', got {self.table!r}")
         for site, policy in self.table.policies.items() if isinstance(self.table, StrategyTable) else ():
@@ -102,7 +109,8 @@ PLAIN_TP = CompileOptions(sp=False, table=None, all_reduce_policy="sequential", 
 
 @dataclass(frozen=True)
 class PassOptions:
-    """What the passes do to one graph variant: "sp" (sequence parallel, async TP) or "plain"."""
+    """What the passes do to one graph variant: "sp" (sequence parallel, async TP), "split" (the plain graph as
+    two token subsets) or "plain"."""
 
     sp: bool
     async_tp: bool
@@ -112,13 +120,14 @@ class PassOptions:
     all_reduce_rms_norm_policy: str = "sequential"  # "sequential": not fused (Inductor's add + norm)
     site_policies: tuple[tuple[str, str], ...] = ()  # (SiteShape name, policy), from the table
     cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
+    token_split: bool = False  # the plain graph as two interleaved token subsets (compiler/token_split.py)
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """The dispatched op kinds this variant's graph may hold."""
         if self.sp:
             return ("ag_mm", "mm_rs", "ag_scaled_mm", "scaled_mm_rs") if self.async_tp else ()
-        return ("all_reduce", "all_reduce_rms_norm")
+        return () if self.token_split else ("all_reduce", "all_reduce_rms_norm")
 
     def policy(self, kind: str, k: int, n: int) -> str:
         """The policy of a site of `kind` and shape (k, n): the table's, else this variant's default.
@@ -156,10 +165,12 @@ class CompilePlan:
     table: str  # which calibration table, in words, for the report
     strict: bool = False
     inductor_config: dict[str, Any] = field(default_factory=dict)
+    token_split_min_tokens: int | None = None  # the "split" variant from this M on (below sp_min_tokens)
 
     def agreement(self) -> dict[str, Any]:
         """What every rank must have decided alike (else their graphs' collectives would not match)."""
-        return {"sp_min_tokens": self.sp_min_tokens, **{n: dataclasses.asdict(v) for n, v in self.variants.items()}}
+        return {"sp_min_tokens": self.sp_min_tokens, "token_split_min_tokens": self.token_split_min_tokens,
+                **{n: dataclasses.asdict(v) for n, v in self.variants.items()}}  # fmt: skip
 
     def new_report(self) -> CompileReport:
         """An empty report for this plan."""
@@ -186,7 +197,10 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
         variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=options.ag_mm_policy,
                                      mm_rs_policy=options.mm_rs_policy, **common)  # fmt: skip
-    return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config())
+    split_min = options.token_split_min_tokens if tp.world_size > 1 else None  # one rank: nothing to overlap
+    if split_min is not None:
+        variants["split"] = PassOptions(False, False, token_split=True, **common)
+    return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config(), split_min)
 
 
 def _table(table: StrategyTable | str | None, module: object, tp: TPGroup) -> tuple[StrategyTable | None, str]:

@@ -38,6 +38,8 @@ class GraphReport:
     counts_after: dict[str, int] = field(default_factory=dict)
     # (op kind, policy) of every strategy-dispatched op in the compiled graph, in graph order
     dispatched: list[tuple[str, str]] = field(default_factory=list)
+    # token split: the matmuls, all-reduce starts and waits in graph order, each with its subset ("mm A", ...)
+    schedule: list[str] = field(default_factory=list)
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
         """Record what became of the collective at `node` (shape, dtype and bytes per token row read from its fake
@@ -68,6 +70,7 @@ class GraphReport:
             "dispatched": [list(d) for d in self.dispatched],
             "sites": [dataclasses.asdict(s) for s in self.sites],
             "notes": list(self.notes),
+            "schedule": list(self.schedule),
         }
 
     def __str__(self) -> str:

@@ -5,6 +5,7 @@ installs it.
 SP variant:    sequence_parallel -> async_tp (all-gather + matmul, matmul + reduce-scatter) ->
                reduce-scatter + residual add + RMSNorm fusion
 plain variant: all-reduce + residual add + RMSNorm fusion -> remaining all-reduces routed to their strategy
+split variant: token_split (the plain graph as two token subsets, their all-reduces interleaved)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel
+from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel, token_split
 from tpweave.compiler.graph_utils import count_collectives, dispatched_ops
 from tpweave.compiler.options import CompilePlan, PassOptions
 from tpweave.compiler.report import CompileReport, GraphReport
@@ -58,6 +59,9 @@ class TPWeavePass(CustomGraphPass):
                 async_tp.fuse_matmul_reduce_scatters(graph, policy_for=policy_for, report=report)
                 allreduce_norm.fuse_reduce_scatter_norms(graph, report=report)
                 logger.debug("[%s] graph after async_tp:\n%s", variant, graph)
+        elif self.options.token_split:
+            token_split.TokenSplitPass(graph, self.tp, report).run()
+            logger.debug("[%s] graph after token_split:\n%s", variant, graph)
         else:
             allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)
             allreduce.route_all_reduces(graph, self.tp, policy_for=policy_for, report=report)
@@ -68,7 +72,7 @@ class TPWeavePass(CustomGraphPass):
     def uuid(self) -> bytes:
         """A hash of the passes' sources and of this pass's options (Inductor's cache key)."""
         h = hashlib.sha256()
-        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm):
+        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm, token_split):
             h.update(inspect.getsource(mod).encode())
         h.update(repr((dataclasses.asdict(self.tp), dataclasses.asdict(self.options))).encode())
         return h.digest()
