@@ -11,7 +11,12 @@ import workers
 from tpweave.cli import main as cli_main
 from tpweave.models import get_preset
 from tpweave.ops.strategies import STRATEGIES, check_policy, parse_policy, resolve, sequential
-from tpweave.tuning.policy_fit import NEVER, policy_from_op_rows, sp_min_from_layer_rows
+from tpweave.tuning.policy_fit import (
+    NEVER,
+    policy_from_op_rows,
+    sp_min_from_layer_rows,
+    token_split_min_from_layer_rows,
+)
 from tpweave.tuning.table import StrategyTable, load_table, save_table, site_shapes, table_key, table_path
 
 
@@ -73,6 +78,39 @@ def test_policy_and_boundary_from_measurements():
     ]
     assert sp_min_from_layer_rows(layers) == 2048  # 256 wins, but 512 loses again: only from 2048 on
     assert sp_min_from_layer_rows([r | {"ms_per_layer": 5.0} if r["arm"] == "auto" else r for r in layers[:2]]) == NEVER
+
+
+def test_token_split_range_from_layer_rows_and_the_plan_that_uses_it():
+    """Calibration's token-split range: the smallest M below sp_min from which the token_split arm beats
+    plain_best significantly at every larger M below sp_min; the table carries it to the plan, which adds
+    the split variant (never at TP=1), and an explicit option overrides it."""
+    from tpweave.compiler.options import CompileOptions, plan
+    from tpweave.compiler.tp_group import TPGroup
+
+    def row(m, ratio, lo):
+        return {"tokens": m, "arm": "token_split", "ms_per_layer": 1.0,
+                "vs_plain_best": {"ratio": ratio, "lo": lo, "hi": ratio + 0.02}}  # fmt: skip
+
+    rows = [row(64, 1.01, 0.98), row(256, 1.05, 1.02), row(512, 0.99, 0.97), row(1024, 1.06, 1.03),
+            row(2048, 1.08, 1.05), row(4096, 1.10, 1.07)]  # fmt: skip
+    assert token_split_min_from_layer_rows(rows, sp_min=4096) == 1024  # 512 loses: only from 1024 on
+    assert token_split_min_from_layer_rows(rows, sp_min=512) == 256
+    assert token_split_min_from_layer_rows(rows, sp_min=64) is None  # nothing below the SP graph
+    insignificant = [r | {"vs_plain_best": {"ratio": 1.05, "lo": 0.99, "hi": 1.1}} for r in rows]
+    assert token_split_min_from_layer_rows(insignificant, sp_min=NEVER) is None
+    key = table_key(get_preset("tiny"), tp=2, dtype=torch.float32)
+    table = StrategyTable(key=key, sp_min_tokens=4096, token_split_min_tokens=1024)
+    assert StrategyTable.from_json(table.to_json()) == table
+    with pytest.raises(ValueError, match="token_split_min_tokens must be an integer >= 4"):
+        StrategyTable.from_json(
+            table.to_json().replace('"token_split_min_tokens": 1024', '"token_split_min_tokens": 2')
+        )
+    two, one = TPGroup("g", 0, 2, "nccl"), TPGroup("", 0, 1, "none")
+    with_table = plan(CompileOptions(table=table), two, None)
+    assert set(with_table.variants) == {"plain", "sp", "split"} and with_table.token_split_min_tokens == 1024
+    assert plan(CompileOptions(table=table, token_split_min_tokens=8), two, None).token_split_min_tokens == 8
+    assert "split" not in plan(CompileOptions(table=table), one, None).variants
+    assert "split" not in plan(CompileOptions(table=None), two, None).variants
 
 
 def test_table_cache_roundtrip_corrupt_and_stale(tmp_path, monkeypatch, caplog):

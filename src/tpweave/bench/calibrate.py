@@ -1,5 +1,6 @@
 """`tpweave calibrate`: time every strategy for every site shape on a grid of M, keep the winners,
-then time the SP graph against the plain graph per layer to find where SP starts to pay."""
+then time the SP graph and the token-split graph against the plain graph per layer to find where each
+starts to pay."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import defaultdict
 from tpweave.bench.layer import BenchSettings, bench_layers, bench_ops
 from tpweave.models.config import DTYPES, get_preset
 from tpweave.runtime.context import TPContext
-from tpweave.tuning.policy_fit import policy_from_op_rows, sp_min_from_layer_rows
+from tpweave.tuning.policy_fit import policy_from_op_rows, sp_min_from_layer_rows, token_split_min_from_layer_rows
 from tpweave.tuning.table import StrategyTable, table_key
 
 DEFAULT_GRID = [1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -38,8 +39,9 @@ def calibrate(
         num_layers=num_layers,
         settings=settings,
         table=table,
-        arms=("plain_best", "auto", "compute_only"),
+        arms=("plain_best", "auto", "token_split", "compute_only"),
     )
     table.sp_min_tokens = sp_min_from_layer_rows(layer_rows)
+    table.token_split_min_tokens = token_split_min_from_layer_rows(layer_rows, table.sp_min_tokens)
     table.measurements = {"ops": op_rows, "layers": layer_rows}
     return table

@@ -41,7 +41,7 @@ class CompileOptions:
     async_tp: bool = True  # fuse the SP graph's all-gathers / reduce-scatters with their matmuls
     sp_min_tokens: int | None = None  # the SP graph from this M on, the plain TP graph below
     # below sp_min_tokens, from this M on: the plain graph run as two token subsets whose all-reduces overlap the
-    # other subset's compute (compiler/token_split.py); None: off
+    # other subset's compute (compiler/token_split.py); None: the table's (calibration), else off
     token_split_min_tokens: int | None = None
     table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
@@ -197,7 +197,11 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
         variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=options.ag_mm_policy,
                                      mm_rs_policy=options.mm_rs_policy, **common)  # fmt: skip
-    split_min = options.token_split_min_tokens if tp.world_size > 1 else None  # one rank: nothing to overlap
+    split_min = options.token_split_min_tokens
+    if split_min is None and table is not None:
+        split_min = table.token_split_min_tokens
+    if tp.world_size == 1:
+        split_min = None  # one rank: nothing to overlap
     if split_min is not None:
         variants["split"] = PassOptions(False, False, token_split=True, **common)
     return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config(), split_min)

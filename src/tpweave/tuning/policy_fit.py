@@ -1,5 +1,6 @@
 """From calibration measurements to a strategy table's entries: the winning strategy per site and M
-range, and the M from which the SP graph beats the plain graph (bench/calibrate.py measures)."""
+range, the M from which the SP graph beats the plain graph, and the M range where the token-split graph
+does (bench/calibrate.py measures)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,25 @@ def sp_min_from_layer_rows(rows: list[dict[str, Any]]) -> int:
         else:
             break
     return sp_min
+
+
+def token_split_min_from_layer_rows(rows: list[dict[str, Any]], sp_min: int) -> int | None:
+    """Smallest grid M below sp_min from which the token-split graph ("token_split") beats the best plain
+    graph significantly (its vs_plain_best interval above 1.0; by MIN_GAIN on the medians without one) at
+    every larger grid M below sp_min; None where it never does."""
+    wins: dict[int, bool] = {}
+    for r in rows:
+        if r["arm"] != "token_split" or r["tokens"] >= sp_min:
+            continue
+        ratio = r.get("vs_plain_best")
+        if isinstance(ratio, dict):
+            wins[r["tokens"]] = ratio["lo"] > 1.0 and ratio["ratio"] >= 1 + MIN_GAIN
+        else:
+            best = next(b["ms_per_layer"] for b in rows if b["tokens"] == r["tokens"] and b["arm"] == "plain_best")
+            wins[r["tokens"]] = r["ms_per_layer"] <= best * (1 - MIN_GAIN)
+    split_min = None
+    for m in sorted(wins, reverse=True):
+        if not wins[m]:
+            break
+        split_min = m
+    return split_min if split_min is None else max(split_min, 4)

@@ -75,13 +75,15 @@ def table_key(cfg: ModelConfig, *, tp: int, dtype: torch.dtype, device: str | No
 
 @dataclass
 class StrategyTable:
-    """Per site shape name the policy string that picks its strategy by M, and the M from which the SP graph
-    serves (sp_min_tokens); `key` (table_key) says what it was measured for."""
+    """Per site shape name the policy string that picks its strategy by M, the M from which the SP graph
+    serves (sp_min_tokens) and the M from which the token-split graph serves below it (None: never); `key`
+    (table_key) says what it was measured for."""
 
     key: dict[str, Any]
     policies: dict[str, str] = field(default_factory=dict)  # site shape name -> policy string
     sp_min_tokens: int = 512
     measurements: dict[str, Any] = field(default_factory=dict)  # raw medians, for the record
+    token_split_min_tokens: int | None = None  # the token-split graph from this M on, below sp_min_tokens
 
     def policy(self, kind: str, k: int, n: int, default: str = "sequential") -> str:
         """The policy of the site (kind, k, n); `default` when the table has none for it."""
@@ -105,6 +107,9 @@ class StrategyTable:
         sp_min = raw.get("sp_min_tokens")
         if isinstance(sp_min, bool) or not isinstance(sp_min, int) or sp_min < 0:
             raise ValueError(f"sp_min_tokens must be an integer >= 0, got {sp_min!r}")
+        split = raw.get("token_split_min_tokens")
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 4):
+            raise ValueError(f"token_split_min_tokens must be an integer >= 4 or null, got {split!r}")
         for site, policy in raw["policies"].items():
             if not isinstance(policy, str):
                 raise ValueError(f"policy of {site} is not a string: {policy!r}")
@@ -113,7 +118,7 @@ class StrategyTable:
             except ValueError as e:
                 raise ValueError(f"site {site}: {e}") from None
         return cls(key=raw["key"], policies=dict(raw["policies"]), sp_min_tokens=sp_min,
-                   measurements=raw.get("measurements", {}))  # fmt: skip
+                   measurements=raw.get("measurements", {}), token_split_min_tokens=split)  # fmt: skip
 
 
 def cache_dir() -> Path:
