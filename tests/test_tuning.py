@@ -208,6 +208,8 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     assert table is not None and set(table.policies) == {s.name for s in site_shapes(get_preset("tiny"), 2)}
     assert table.measurements["ops"] and table.measurements["layers"]
     assert table.sp_min_tokens in (3, 32, NEVER)
+    assert any(r["arm"] == "token_split" for r in table.measurements["layers"])
+    assert table.token_split_min_tokens in (None, 4, 32)  # the grid's 3 rounds up to the split graph's minimum
     assert cli_main(["bench", "layer", *common, "--num-tokens", "5,17", "--output-dir", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "layer-tiny-tp2-float32.json").read_text())
     assert result["meta"]["calibrated"] is True and result["meta"]["tp"] == 2
@@ -215,7 +217,7 @@ def test_calibrate_then_bench_layer_cli(tmp_path, monkeypatch, capsys):
     assert {(r["tokens"], r["arm"]) for r in layer_rows} == {
         (m, a)
         for m in (5, 17)
-        for a in ("plain_nccl", "plain_best", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only")
+        for a in ("plain_nccl", "plain_best", "sp_seq", "sp_fused", "token_split", "auto", "auto_aa", "compute_only")
     }
     assert all(r["ms_per_layer"] > 0 for r in layer_rows)
     assert {r["site"] for r in result["rows"] if r["what"] == "op"} == {
