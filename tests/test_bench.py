@@ -47,7 +47,7 @@ def test_latency_cli_rows_and_report(tmp_path, capsys):
     assert {(r["what"], r["arm"]) for r in rows} == {
         (w, a)
         for w in ("prefill", "decode")
-        for a in ("plain_nccl", "plain_best", "sp_seq", "sp_fused", "auto", "auto_aa", "compute_only")
+        for a in ("plain_nccl", "plain_best", "sp_seq", "sp_fused", "token_split", "auto", "auto_aa", "compute_only")
     }
     for r in rows:
         assert r["ms"] > 0 and r["vs_plain_best"]["ratio"] > 0 and len(r["samples_ms"]) == 2
