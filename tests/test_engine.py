@@ -48,6 +48,19 @@ def test_tp2_greedy_tokens_equal_tp1_with_chunking_and_preemption():
     assert any("outside the vocabulary" in e for e in errors)
 
 
+def test_token_split_graph_in_the_engine_gives_tp1_tokens():
+    """The engine at TP=2 with its plain graph run as two token subsets (from M = 4 on; the SP graph never):
+    prefill, mixed and decode steps through the paged KV cache give the tokens of TP=1."""
+    good, _ = _prompts()
+    split = {**ENGINE, "sp_min_tokens": 1 << 20, "token_split_min_tokens": 4}
+    ref, _, _ = workers.engine_generate(tpweave.TPContext.single(), good, 8, ENGINE)
+    results = tpweave.launch(workers.engine_generate, good, 8, split, 0.0, (), True, nprocs=2)
+    assert results[0] == results[1]
+    got, _, _, calls = results[0]
+    assert calls["split"] > 0 and calls["plain"] > 0 and calls["sp"] == 0, calls  # steps of M >= 4 and M < 4
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
+
+
 def test_sampling_is_the_same_on_every_rank():
     good, _ = _prompts()
     results = tpweave.launch(workers.engine_generate, good[:3], 5, ENGINE, 0.8, nprocs=2)

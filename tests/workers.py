@@ -393,7 +393,7 @@ def reported_dynamo_limits(ctx, token_counts):
     return results
 
 
-def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, stop_token_ids=()):
+def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, stop_token_ids=(), with_calls=False):
     import torch
 
     import tpweave
@@ -407,6 +407,8 @@ def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, st
     results = engine.generate(prompts, params)
     forward = engine.runner.forward
     num_compiles = tpweave.report(forward).num_compiles if hasattr(forward, "compile_report") else 0
+    if with_calls:  # how many steps each graph variant served
+        return results, engine.num_steps, num_compiles, dict(forward.calls)
     return results, engine.num_steps, num_compiles
 
 

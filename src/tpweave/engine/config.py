@@ -32,6 +32,7 @@ class EngineConfig:
     compile_model: bool = True
     baseline: bool = False
     sp_min_tokens: int | None = None
+    token_split_min_tokens: int | None = None  # None: the calibration table's (CompileOptions)
     cuda_graphs: bool = True
     async_scheduling: bool = True
     gpu_memory_utilization: float = 0.9

@@ -86,7 +86,12 @@ class ModelRunner:
         if config.compile_model:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             options = PLAIN_TP if config.baseline else CompileOptions()
-            self.forward = compiler.compile(self.model, options=options, sp_min_tokens=config.sp_min_tokens)
+            self.forward = compiler.compile(
+                self.model,
+                options=options,
+                sp_min_tokens=config.sp_min_tokens,
+                token_split_min_tokens=config.token_split_min_tokens,
+            )
         self._last = LaunchedStep([])  # the latest launched step: pending tokens come from its samples
         self._last_rows: dict[int, int] = {}  # seq_id -> row of self._last.tokens
         # Two pinned buffers for sampled tokens, alternating: the one a step copies into was last used two
