@@ -113,7 +113,7 @@ SECTIONS = (
 
 # Metadata kept in the JSON but summarized (provenance_lines), not dumped, in the markdown
 BULKY_META = {"kernels", "compile_reports", "orders", "code", "versions", "gpus_start", "gpus_end", "env",
-              "table", "fallbacks", "verification_problems", "failures", "aa"}  # fmt: skip
+              "table", "fallbacks", "verification_problems", "failures", "aa", "compile_report"}  # fmt: skip
 
 
 def provenance_lines(meta: dict[str, Any]) -> list[str]:
