@@ -574,6 +574,14 @@ def uninterleaved_all_reduces(schedule: list[str]) -> list[int]:
     return bad
 
 
+def test_token_split_point_rounds_to_whole_tiles_from_512_rows():
+    from tpweave.compiler.token_split import split_point
+
+    assert [split_point(m) for m in (4, 5, 64, 511, 512, 600, 1000, 2048, 2100)] == [
+        2, 2, 32, 255, 256, 256, 384, 1024, 1024
+    ]  # fmt: skip
+
+
 def test_the_interleaving_check_catches_lock_step_subsets():
     lock_step = ["mm A", "mm B", "all_reduce A", "all_reduce B", "wait A", "wait B", "mm A", "mm B"]
     assert uninterleaved_all_reduces(lock_step) == [2]
@@ -587,7 +595,7 @@ def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, referenc
     logits equal eager TP and the unsharded model at M odd, M < 2 x TP, and batches of three sequences whose
     split falls inside one; one split graph for every M >= 4; every layer's two all-reduces run once per
     subset, each (but the last) with the other subset's matmuls between its start and its wait."""
-    counts = [1, 3, 5, 64, 129]
+    counts = [1, 3, 5, 64, 129, 1000]  # 1000: subset A rounded to whole 128-row tiles, in the same graph
     dtypes = ("float32", "bfloat16")
     results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, dtypes, TOKEN_SPLIT, nprocs=tp)
     for rank_out in results:

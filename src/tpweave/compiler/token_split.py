@@ -11,7 +11,8 @@ Rules, on the post-grad ATen graph of a packed model (activations (N, features),
   a replicated value with the N token rows that meets a split one is sliced (no copy);
 - any other consumer of a split value (attention, which needs every token of a sequence; picking rows
   for the LM head; graph outputs; ops we do not know) gets the two subsets concatenated first.
-Split point: s = N // 2 (balanced subsets; any s is correct since attention sees all tokens).
+Split point (split_point): N // 2, rounded down to whole 128-row GEMM tiles from 512 tokens on, so that
+subset A's matmuls fill whole waves of tiles; any s is correct, since attention sees all tokens.
 
 Then the subsets are interleaved: the graph is reordered so that subset A runs up to and including the
 start of its all-reduce, then subset B up to the start of its own, then A from its wait on, and so on.
@@ -73,6 +74,18 @@ class Halves:
     b: fx.Node
 
 
+ALIGN = 128  # rows of a GEMM tile: a subset of whole tiles leaves no partly filled wave of tiles
+ALIGN_FROM = 512  # tokens from which subset A is rounded down to whole tiles (below: the halves as they are)
+
+
+def split_point(num_rows: int) -> int:
+    """Rows of subset A: M // 2, rounded down to a multiple of ALIGN from ALIGN_FROM rows on (subset B then has
+    M - s >= s rows, fewer than 2 x ALIGN more). The graph computes the same with its symbolic M, no guards:
+    s = M//2 - (M//2 % ALIGN) * min(1, M // ALIGN_FROM)."""
+    half = num_rows // 2
+    return half - (half % ALIGN) * min(1, num_rows // ALIGN_FROM)
+
+
 class NotRowWise(Exception):
     """The op is not known to be row-wise on split inputs; the message says why."""
 
@@ -132,10 +145,11 @@ class TokenSplitPass:
         return True
 
     def _insert_bounds(self) -> None:
-        """s = N // 2 and N as FX arguments, computed right after the placeholders."""
+        """s (split_point), N and N - s as FX arguments, computed right after the placeholders."""
         anchor = next(n for n in self.graph.nodes if n.op != "placeholder")
         if isinstance(self.rows, int):
-            self.bounds = (self.rows // 2, self.rows, self.rows - self.rows // 2)
+            split = split_point(self.rows)
+            self.bounds = (split, self.rows, self.rows - split)
             return
         n_arg = None
         for p in self.graph.nodes:
@@ -148,7 +162,12 @@ class TokenSplitPass:
             if n_arg is None and isinstance(v, torch.Tensor) and v.dim() >= 1 and same(v.shape[0], self.rows):
                 n_arg = self.edit.insert(aten.sym_size.int, (p, 0), before=anchor)
         assert n_arg is not None, "the token count is the size of no graph input"
-        s_arg = self.edit.insert(operator.floordiv, (n_arg, 2), before=anchor)
+        half = self.edit.insert(operator.floordiv, (n_arg, 2), before=anchor)
+        large = self.edit.insert(operator.floordiv, (n_arg, ALIGN_FROM), before=anchor)
+        large = self.edit.insert(torch.sym_min, (1, large), before=anchor)  # 1 from ALIGN_FROM tokens on, else 0
+        excess = self.edit.insert(operator.mod, (half, ALIGN), before=anchor)
+        excess = self.edit.insert(operator.mul, (excess, large), before=anchor)
+        s_arg = self.edit.insert(operator.sub, (half, excess), before=anchor)
         self.bounds = (s_arg, n_arg, self.edit.insert(operator.sub, (n_arg, s_arg), before=anchor))
 
     # ---- per node -----------------------------------------------------------------------------
