@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpweave.bench.kernels import categorize
 from tpweave.bench.stats import median
+from tpweave.bench.timing import time_call
 from tpweave.engine import LLMEngine, SamplingParams
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.engine.sequence import Sequence
@@ -71,19 +73,11 @@ def gemm_flops_per_s(device: torch.device, dtype: torch.dtype, n: int = 8192) ->
 
 
 def _event_ms(fn, *, reps: int, warmup: int = 3) -> list[float]:
-    """Per-call milliseconds of fn, one CUDA-event pair around each call."""
+    """Per-call milliseconds of fn, `reps` samples of one call each (bench/timing.py time_call)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
+    return [time_call(fn, inner=1, on_cuda=True) for _ in range(reps)]
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -115,18 +109,6 @@ def prefill_flops(model: torch.nn.Module, num_tokens: int) -> float:
     return 2 * linear * num_tokens + 2 * model.lm_head.weight.numel() + attention
 
 
-# First match wins: attention before gemm (flash-attention kernels can carry cutlass in their names).
-KERNEL_KINDS = (
-    ("attention", ("_decode_kernel", "_merge_kernel", "flash", "fmha", "attention")),
-    ("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma")),
-)
-
-
-def _kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
-
-
 def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int], dict[str, float]]:
     """Per call of fn: device kernels (torch.profiler, kernels inside CUDA-graph replays included; copies
     and memsets not counted), and milliseconds of kernel time by kind (gemm, attention, other); and the
@@ -139,11 +121,12 @@ def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int], dict[str, f
             fn()
         torch.cuda.synchronize()
     names: dict[str, int] = {}
-    ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}  # bench/kernels.py categories, the rest as "other"
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")):
             names[e.name] = names.get(e.name, 0) + 1
-            ms[_kind(e.name)] += e.time_range.elapsed_us() / 1e3 / calls
+            category = categorize(e.name)
+            ms[category if category in ms else "other"] += e.time_range.elapsed_us() / 1e3 / calls
     return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1])), ms
 
 

@@ -36,8 +36,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     # torch symm_mem's barriers and signal kernels (its fused ops, tpweave's ce_overlap), and the
     # copy-engine peer copies of their pipelines
     ("symm_mem", re.compile(r"multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),
-    ("tpweave_triton", re.compile(r"_paged_decode_kernel|_decode_kernel|_merge_kernel|tpweave", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|_decode_kernel|_merge_kernel", re.I)),  # ops/paged_decode.py
+    ("tpweave_triton", re.compile(r"tpweave", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|sm90|nvjet|matmul", re.I)),
 )
 COMM_CATEGORIES = (

@@ -133,12 +133,14 @@ def time_arms(
         rng.shuffle(order)
         orders.append(order)
         for name in order:
-            samples[name].append(_time(runners[name], inner, on_cuda, group))
+            samples[name].append(time_call(runners[name], inner=inner, on_cuda=on_cuda, group=group))
     out = {name: ArmTiming(_max_over_ranks(samples[name], group), peak[name]) for name in names}
     return Timings(out, orders=orders, seed=seed, runners=runners)
 
 
-def _time(run: Callable[[], Any], inner: int, on_cuda: bool, group) -> float:
+def time_call(run: Callable[[], Any], *, inner: int, on_cuda: bool, group=None) -> float:
+    """Milliseconds per call of run, over `inner` calls back to back (CUDA events on the GPU), after a barrier
+    of `group` (None: none)."""
     _barrier(group)
     if on_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -17,6 +17,13 @@ funcol = torch.ops._c10d_functional
 tpw = torch.ops.tpweave
 
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Ops whose output has the input's shape, element for element (casts, copies, aliases)
+SAME_SHAPE_OPS = {
+    torch.ops.prims.convert_element_type.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.alias.default,
+}
 
 COLLECTIVE_TARGETS = {
     "all_reduce": funcol.all_reduce.default,

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from tpweave.compiler.graph_utils import (
+    SAME_SHAPE_OPS,
     VIEW_OPS,
     GraphEditor,
     aten,
@@ -62,12 +63,6 @@ REDUCTIONS = {
 }
 SOFTMAXES = {aten._softmax.default, aten._log_softmax.default}
 NORMS = {aten.native_layer_norm.default, aten._fused_rms_norm.default}
-SAME_SHAPE_OPS = {
-    torch.ops.prims.convert_element_type.default,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.alias.default,
-}
 
 
 @dataclass

@@ -36,17 +36,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import VIEW_OPS, GraphEditor, aten, funcol, is_tensor_node, same, val
+from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, aten, funcol, is_tensor_node, same, val
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 
 MATMULS = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> index of the activation (rows) argument
-SAME_SHAPE_OPS = {
-    torch.ops.prims.convert_element_type.default,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.alias.default,
-}
 FEATURE_DIM_OPS = {  # ops whose `dim` argument (index 1) must not be the token dim
     aten.mean.dim,
     aten.sum.dim_IntList,
