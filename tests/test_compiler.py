@@ -594,19 +594,29 @@ def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, referenc
     """The plain TP graph as two token subsets (compiler/token_split.py), the split variant from M = 4 on:
     logits equal eager TP and the unsharded model at M odd, M < 2 x TP, and batches of three sequences whose
     split falls inside one; one split graph for every M >= 4; every layer's two all-reduces run once per
-    subset, each (but the last) with the other subset's matmuls between its start and its wait."""
+    subset, each (but the last) with the other subset's matmuls between its start and its wait. TP 2 and 4:
+    each subset's all-reduce + residual + RMSNorm as the fused op started on a side stream (composed on CPU),
+    waited for where the all-reduce was; TP 3: token_split_sms=0, the process group's all-reduces."""
     counts = [1, 3, 5, 64, 129, 1000]  # 1000: subset A rounded to whole 128-row tiles, in the same graph
     dtypes = ("float32", "bfloat16")
-    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, dtypes, TOKEN_SPLIT, nprocs=tp)
+    fused = tp != 3
+    options = TOKEN_SPLIT if fused else {**TOKEN_SPLIT, "token_split_sms": 0}
+    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", counts, dtypes, options, nprocs=tp)
     for rank_out in results:
         for dtype in dtypes:
             split = [g for g in rank_out[(dtype, "graphs")] if g[0] == "split"]
             assert len(split) == 1, rank_out[(dtype, "report")]
             _, before, after, sites = split[0]
             assert before == {"all_reduce": 2 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
-            # the embedding's all-reduce (no matmul before it) is left whole
-            assert after == {"all_reduce": 4 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
             assert [s[2] for s in sites if s[1] == "token split"] == ["subset A", "subset B"] * 2 * NUM_LAYERS
+            # the embedding's all-reduce (no matmul before it) is left whole
+            if fused:  # every layer's two reductions, the last one's norm being the final norm
+                assert after == {"all_reduce": 1, "all_reduce_rms_norm_split": 4 * NUM_LAYERS,
+                                 "all_gather_into_tensor": 1}, rank_out[(dtype, "report")]  # fmt: skip
+                side = [s[2] for s in sites if s[:2] == ("all_reduce_rms_norm", "fused")]
+                assert len(side) == 4 * NUM_LAYERS and all("residual add + RMSNorm" in r for r in side), side
+            else:
+                assert after == {"all_reduce": 4 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
             (schedule,) = [s for v, s, _ in rank_out[(dtype, "schedules")] if v == "split"]
             # qkv, o_proj, gate_up, down per layer, and the LM head (logits of every token here)
             assert schedule.count("mm A") == schedule.count("mm B") == 4 * NUM_LAYERS + 1

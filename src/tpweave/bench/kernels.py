@@ -69,8 +69,9 @@ SIGNATURES: dict[tuple[str, str], tuple[str, int | None]] = {
     ("ce_overlap", "*"): ("symm_mem", None),
     ("ce_overlap_2s", "*"): ("symm_mem", None),
 }
-# Plain collectives the passes left in the graph (GraphReport.counts_after) -> (category, kernels each).
+# Collectives of the graph that no policy picks (GraphReport.counts_after) -> (category, kernels each).
 PLAIN_COLLECTIVES = {
+    "all_reduce_rms_norm_split": ("tpweave_ar_norm", 1),  # token split: the fused kernel on a side stream
     "all_reduce": ("nccl_all_reduce", 1),
     "reduce_scatter_tokens": ("nccl_reduce_scatter", 1),
     "all_gather_tokens": ("nccl_all_gather", 1),

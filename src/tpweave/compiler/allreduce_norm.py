@@ -20,12 +20,22 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, is_tensor_node, tpw, val
+from tpweave.compiler.graph_utils import (
+    COLLECTIVE_TARGETS,
+    GraphEditor,
+    all_reduce_waits,
+    aten,
+    funcol,
+    is_tensor_node,
+    tpw,
+    val,
+)
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 from tpweave.ops.strategies import has_own
 
 CONVERT = torch.ops.prims.convert_element_type.default
+COLLECTIVE_OPS = set(COLLECTIVE_TARGETS.values()) | {funcol.wait_tensor.default}
 KIND = "all_reduce_rms_norm"
 
 
@@ -220,3 +230,74 @@ def fuse_reduce_scatter_norms(graph: fx.Graph, *, report: GraphReport) -> None:
         args = (a, w, residual, norm.weight, norm.eps, norm.weight_in_fp32, group_name, world_size, policy)
         _replace_with_fused(graph, edit, tpw.mm_rs_rms_norm.default, args, h, norm, {mm_rs})
         report.add("mm_rs_rms_norm", mm_rs, "fused", _describe(residual, norm, policy))
+
+
+def _hoist(node: fx.Node, before: fx.Node) -> bool:
+    """Make `node` come before `before` in the graph, moving it (and the inputs it needs) up; False (graph
+    unchanged) if that would move a collective."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    moves, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if order[n] < order[before] or n in moves:
+            continue
+        if n.op != "call_function" or n.target in COLLECTIVE_OPS or getattr(n.target, "namespace", "") == "tpweave":
+            return False
+        moves.append(n)
+        stack += n.all_input_nodes
+    for n in sorted(moves, key=order.get):
+        before.prepend(n)
+    return True
+
+
+def fuse_split_all_reduce_norms(
+    graph: fx.Graph, cfg: TPGroup, *, subset: dict[fx.Node, int], num_sms: int, report: GraphReport
+) -> dict[fx.Node, int]:
+    """Token-split graph (after the split and the interleaving): each subset's all-reduce -> (+ residual) ->
+    RMSNorm becomes a fused all-reduce + norm started on a side stream on at most num_sms SMs where the
+    all-reduce started, and waited for where the all-reduce was waited for, so that the norm too runs under the
+    other subset's matmuls. `subset`: all-reduce node -> 0 (A) or 1 (B); returns the same for the new nodes.
+
+        before:  ar = all_reduce(x_A)                        after:  f = all_reduce_rms_norm_start(x_A, res_A, w, eps,
+                 g_B = mm(y_B, w_up) ...                                   w_in_fp32, group, TP, num_sms)
+                 r = wait_tensor(ar)                                 y, h = f[0], f[1]
+                 h = add(r, res_A); y = w * bf16(norm(h))            g_B = mm(y_B, w_up) ...
+                 (readers of h, readers of y)                        all_reduce_rms_norm_wait(y, h, x_A, res_A, w, ...)
+                                                                     (readers of h, readers of y)
+    """
+    from tpweave.ops.strategies.triton_ar_norm import side_stream_supported
+
+    edit, labels = GraphEditor(graph), {}
+    for wait, ar in all_reduce_waits(graph):
+        k = subset.get(ar)
+        x, reduce_op, group_name = ar.args[:3]
+        xv = val(x)
+        if k is None or reduce_op != "sum" or group_name != cfg.group_name or len(ar.users) != 1:
+            continue
+        if xv.device.type == "cuda" and not side_stream_supported(xv.device, xv.dtype, cfg.world_size):
+            why = "no fused all-reduce + norm kernel here (it needs symmetric memory and TP a power of 2)"
+            report.add(KIND, ar, "left alone", why)
+            continue
+        try:
+            h, residual, norm = match_residual_norm(wait, graph)
+        except NoMatch as e:
+            report.add(KIND, ar, "left alone", str(e))
+            continue
+        # the residual and weight are needed where the all-reduce starts: computed there already, or moved there
+        # (a subset's slice of the residual stream is made where it is first read)
+        if not all(_hoist(n, ar) for n in (residual, norm.weight) if isinstance(n, fx.Node)):
+            report.add(KIND, ar, "left alone", "the residual or norm weight depends on a collective after the start")
+            continue
+        anchor = ar.next
+        args = (x, residual, norm.weight, norm.eps, norm.weight_in_fp32, group_name, cfg.world_size, num_sms)
+        start = edit.insert(tpw.all_reduce_rms_norm_start.default, args, before=anchor)
+        y_new = edit.insert(operator.getitem, (start, 0), before=anchor)
+        h_new = edit.insert(operator.getitem, (start, 1), before=anchor)
+        wait_args = (y_new, h_new, x, residual, norm.weight, group_name, cfg.world_size)
+        done = edit.insert(tpw.all_reduce_rms_norm_wait.default, wait_args, before=wait)
+        norm.y.replace_all_uses_with(y_new)
+        h.replace_all_uses_with(h_new)
+        edit.erase_unused({norm.y, *norm.chain, h, wait, ar})
+        labels[start] = labels[done] = k
+        report.add(KIND, start, "fused", f"{_describe(residual, norm, 'side stream')}, subset {'AB'[k]}, {num_sms} SMs")
+    return labels

@@ -34,6 +34,7 @@ COLLECTIVE_TARGETS = {
     "mm_rs_rms_norm": tpw.mm_rs_rms_norm.default,
     "all_reduce_routed": tpw.all_reduce.default,
     "all_reduce_rms_norm": tpw.all_reduce_rms_norm.default,
+    "all_reduce_rms_norm_split": tpw.all_reduce_rms_norm_start.default,
     "all_gather_into_tensor": funcol.all_gather_into_tensor.default,
     "reduce_scatter_tensor": funcol.reduce_scatter_tensor.default,
 }

@@ -43,6 +43,9 @@ class CompileOptions:
     # below sp_min_tokens, from this M on: the plain graph run as two token subsets whose all-reduces overlap the
     # other subset's compute (compiler/token_split.py); None: the table's (calibration), else off
     token_split_min_tokens: int | None = None
+    # each subset's all-reduce + residual + RMSNorm as one kernel on at most this many SMs on a side stream (where
+    # the kernel runs: CUDA, symmetric memory, TP a power of 2); 0: the process group's all-reduce, Inductor's norm
+    token_split_sms: int = 8
     table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY
@@ -67,6 +70,9 @@ class CompileOptions:
         # >= 4: both subsets get >= 2 rows (a 1-row subset would make Inductor specialize, one more graph)
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 4):
             raise ValueError(f"token_split_min_tokens must be >= 4 (an integer, or None), got {split!r}")
+        sms = self.token_split_sms
+        if isinstance(sms, bool) or not isinstance(sms, int) or not 0 <= sms <= 1024:
+            raise ValueError(f"token_split_sms must be an integer in [0, 1024] (0: off), got {sms!r}")
         if not (self.table is None or self.table == "auto" or isinstance(self.table, StrategyTable)):
             raise ValueError(f"table must be a StrategyTable, None or 'auto', got {self.table!r}")
         for site, policy in self.table.policies.items() if isinstance(self.table, StrategyTable) else ():
@@ -121,6 +127,7 @@ class PassOptions:
     site_policies: tuple[tuple[str, str], ...] = ()  # (SiteShape name, policy), from the table
     cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
     token_split: bool = False  # the plain graph as two interleaved token subsets (compiler/token_split.py)
+    token_split_sms: int = 0  # > 0: their all-reduce + norm fused on a side stream on this many SMs
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -203,7 +210,9 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     if tp.world_size == 1:
         split_min = None  # one rank: nothing to overlap
     if split_min is not None:
-        variants["split"] = PassOptions(False, False, token_split=True, **common)
+        variants["split"] = PassOptions(
+            False, False, token_split=True, token_split_sms=options.token_split_sms, **common
+        )
     return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config(), split_min)
 
 

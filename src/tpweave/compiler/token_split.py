@@ -36,7 +36,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, aten, funcol, is_tensor_node, same, val
+from tpweave.compiler.graph_utils import (
+    SAME_SHAPE_OPS,
+    VIEW_OPS,
+    GraphEditor,
+    aten,
+    funcol,
+    is_tensor_node,
+    same,
+    tpw,
+    val,
+)
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 
@@ -313,7 +323,22 @@ class TokenSplitPass:
         anchor = next(n for n in self.graph.nodes if n.op == "output")
         for n in order:
             anchor.prepend(n)
-        kinds = {**dict.fromkeys(MATMULS, "mm"), funcol.all_reduce.default: "all_reduce",
-                 funcol.wait_tensor.default: "wait"}  # fmt: skip
-        self.report.schedule = [f"{kinds[n.target]} {'AB'[self.subset[n]]}" for n in order
-                                if n.target in kinds and n in self.subset]  # fmt: skip
+        self.report.schedule = schedule(self.graph, self.subset)
+
+
+SCHEDULE_KINDS = {
+    **dict.fromkeys(MATMULS, "mm"),
+    funcol.all_reduce.default: "all_reduce",
+    funcol.wait_tensor.default: "wait",
+    tpw.all_reduce_rms_norm_start.default: "all_reduce",
+    tpw.all_reduce_rms_norm_wait.default: "wait",
+}
+
+
+def schedule(graph: fx.Graph, subset: dict[fx.Node, int]) -> list[str]:
+    """The split graph's matmuls, all-reduce starts and waits in graph order, with their subsets: "mm A", ..."""
+    return [
+        f"{SCHEDULE_KINDS[n.target]} {'AB'[subset[n]]}"
+        for n in graph.nodes
+        if n.target in SCHEDULE_KINDS and n in subset
+    ]

@@ -60,7 +60,12 @@ class TPWeavePass(CustomGraphPass):
                 allreduce_norm.fuse_reduce_scatter_norms(graph, report=report)
                 logger.debug("[%s] graph after async_tp:\n%s", variant, graph)
         elif self.options.token_split:
-            token_split.TokenSplitPass(graph, self.tp, report).run()
+            split = token_split.TokenSplitPass(graph, self.tp, report)
+            if split.run() and self.options.token_split_sms:
+                labels = allreduce_norm.fuse_split_all_reduce_norms(
+                    graph, self.tp, subset=split.subset, num_sms=self.options.token_split_sms, report=report
+                )
+                report.schedule = token_split.schedule(graph, {**split.subset, **labels})
             logger.debug("[%s] graph after token_split:\n%s", variant, graph)
         else:
             allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)

@@ -1,7 +1,9 @@
 """The strategy-dispatched ops, one node each in a compiled graph: all-gather + matmul(s)
 (`tpweave::ag_mm`, FP8 `ag_scaled_mm`), matmul + reduce-scatter (`mm_rs`, `scaled_mm_rs`), the
 plain graph's all-reduce (`all_reduce`) and the fused forms ending in residual add + RMSNorm
-(`all_reduce_rms_norm`, `mm_rs_rms_norm`).
+(`all_reduce_rms_norm`, `mm_rs_rms_norm`), and that fused all-reduce + norm split in two for the token-split
+graph: started on a side stream on a few SMs (`all_reduce_rms_norm_start`), waited for where its result is read
+(`all_reduce_rms_norm_wait`).
 
 Each carries a `policy` string baked into the graph; at run time the strategy is picked from it and
 the token count M (ops/strategies/registry.py `resolve`). On CPU, and wherever a strategy cannot run,
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from tpweave.ops import rms_norm
 from tpweave.ops.collectives import shard_rows
-from tpweave.ops.strategies import resolve
+from tpweave.ops.strategies import resolve, triton_ar_norm
 
 
 @torch.library.custom_op("tpweave::ag_mm", mutates_args=())
@@ -172,3 +174,37 @@ def all_reduce_rms_norm(
 @all_reduce_rms_norm.register_fake
 def _(x, residual, weight, eps, weight_in_fp32, group_name, world_size, policy):
     return x.new_empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32)), torch.empty_like(x)
+
+
+@torch.library.custom_op("tpweave::all_reduce_rms_norm_start", mutates_args=())
+def all_reduce_rms_norm_start(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    group_name: str,
+    world_size: int,
+    num_sms: int,
+) -> tuple[Tensor, Tensor]:
+    """`all_reduce_rms_norm` started on a side stream on at most num_sms SMs (the token-split graph: the other
+    subset's matmuls run beside it); (y, h) are valid only after `all_reduce_rms_norm_wait` of the same inputs.
+    Where the fused kernel cannot run (CPU, a group size not a power of 2) it is the composed form, in place."""
+    return triton_ar_norm.start_on_side_stream(
+        x, residual, weight, eps, weight_in_fp32, group_name, world_size, num_programs=num_sms
+    )
+
+
+@all_reduce_rms_norm_start.register_fake
+def _(x, residual, weight, eps, weight_in_fp32, group_name, world_size, num_sms):
+    return x.new_empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32)), torch.empty_like(x)
+
+
+# y and h count as written here: whatever reads them comes after it in the compiled program; x and residual
+# are arguments so that their memory outlives the side-stream kernel that reads them.
+@torch.library.custom_op("tpweave::all_reduce_rms_norm_wait", mutates_args=("y", "h"))
+def all_reduce_rms_norm_wait(
+    y: Tensor, h: Tensor, x: Tensor, residual: Tensor | None, weight: Tensor, group_name: str, world_size: int
+) -> None:
+    """The current stream waits for the `all_reduce_rms_norm_start` of (x, residual, weight) that writes y, h."""
+    triton_ar_norm.wait_side_stream(y, x, residual, weight, group_name, world_size)

@@ -358,6 +358,96 @@ def _fused_all_reduce_rms_norm(
     return y, h
 
 
+def side_stream_supported(device: torch.device, dtype: torch.dtype, world_size: int) -> bool:
+    """Whether `start_on_side_stream` runs the fused kernel (not the composed, synchronous form) for inputs
+    of this device and dtype in a group of `world_size` ranks."""
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and world_size & (world_size - 1) == 0
+        and symm_buffers.has_symm_mem_ops()
+    )
+
+
+def start_on_side_stream(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    group_name: str,
+    world_size: int,
+    *,
+    num_programs: int,
+) -> tuple[Tensor, Tensor]:
+    """(y, h) of the all-reduce + residual + RMSNorm of x, computed by `_all_reduce_rms_norm_kernel` on at most
+    `num_programs` SMs on a side stream, so that the current stream's next kernels (the other token subset's
+    matmuls) run beside it. y and h are valid on the current stream only after `wait_side_stream`.
+    Elsewhere (CPU, a group size that is not a power of 2) the composed form, done when this returns."""
+    if not _runs_on_side_stream(x, residual, weight, world_size):
+        return compose_all_reduce_rms_norm(
+            sequential.all_reduce, x, residual, weight, eps, weight_in_fp32, group_name, world_size
+        )
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    num_rows = x.numel() // hidden
+    h = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
+    if not num_rows:
+        return y, h
+    tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
+    buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm_side")
+    side = buf.state.get("stream")
+    if side is None:
+        side = buf.state["stream"] = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))  # x, residual are written on the current stream
+    with torch.cuda.stream(side):
+        _all_reduce_rms_norm_kernel[(max(1, min(num_rows, num_programs, _max_programs(world_size))),)](
+            *tensors,
+            buf.handle.buffer_ptrs_dev,
+            buf.handle.signal_pad_ptrs_dev,
+            num_rows,
+            eps,
+            symm_buffers.wait_timeout_ms(group_name),
+            H=hidden,
+            BLOCK_H=rms_norm.block_h(hidden),
+            RANK=buf.handle.rank,
+            WORLD=world_size,
+            HAS_RESIDUAL=residual is not None,
+            WEIGHT_FP32=weight_in_fp32,
+            num_warps=rms_norm.num_warps_for(hidden),
+        )
+        done = torch.cuda.Event()
+        done.record(side)
+    # the kernel's inputs (contiguous copies included) stay alive until the wait: no allocation of the current
+    # stream reuses their memory while the side stream still reads it
+    buf.state.setdefault("pending", {})[y.data_ptr()] = (done, tensors)
+    return y, h
+
+
+def _runs_on_side_stream(x: Tensor, residual: Tensor | None, weight: Tensor, world_size: int) -> bool:
+    return (
+        side_stream_supported(x.device, x.dtype, world_size)
+        and rms_norm.triton_supported(x, weight)
+        and (residual is None or residual.dtype == x.dtype)
+    )
+
+
+def wait_side_stream(
+    y: Tensor, x: Tensor, residual: Tensor | None, weight: Tensor, group_name: str, world_size: int
+) -> None:
+    """Make the current stream wait for the side-stream kernel that writes y (`start_on_side_stream` of the
+    same x, residual, weight); nothing when that call computed y in place (the composed form)."""
+    if not (x.numel() and _runs_on_side_stream(x, residual, weight, world_size)):
+        return
+    # the buffer start reserved for x (no new one: x.numel() fitted then)
+    buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm_side")
+    entry = buf.state.get("pending", {}).pop(y.data_ptr(), None)
+    if entry is not None:
+        torch.cuda.current_stream(y.device).wait_event(entry[0])
+
+
 # -0.0 as an integer of the element's width: the "no data yet" value of the lamport buffer
 _SENTINEL = {2: (torch.int16, -(2**15)), 4: (torch.int32, -(2**31))}
 _TL_BITS = {torch.int16: tl.int16, torch.int32: tl.int32} if triton is not None else {}
