@@ -135,6 +135,20 @@ def test_ar_norm_protocols_on_emulated_ranks(world_size):
     _check_all_reduce_rms_norm(out, names)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_side_stream_ar_norm_on_emulated_ranks(world_size):
+    """The token-split graph's all-reduce + norm on a side stream on 1, 4 or 8 SMs: exact inputs kept alive
+    until the wait, two subsets in flight at once, CUDA-graph replays on new data."""
+    import emulated_ranks
+
+    counts, sms = [1, 200, 1000], [1, 4, 8]
+    out = emulated_ranks.run(world_size, workers.gpu_side_stream_ar_norm, counts, 4096, sms, timeout_s=240)
+    for rank_out in out:
+        assert set(rank_out) == {(m, s, k) for m in counts for s in sms for k in ("eager", "graph")}
+        for key, worst in rank_out.items():
+            assert worst <= 6e-2, (key, worst)  # bf16 rounding, as the fused kernel's own test
+
+
 @pytest.mark.parametrize("name", ["triton_ar_norm", "triton_ar_norm_ll", "ce_overlap"])
 def test_dead_peer_stops_the_kernel_with_a_message_on_emulated_ranks(name, tmp_path):
     """A rank whose peer died inside a symmetric-memory op gets a CUDA error and a printed reason once

@@ -564,6 +564,70 @@ def gpu_all_reduce_rms_norm(ctx, token_counts, hidden_sizes, names=None):
 
 
 @torch.no_grad()
+def gpu_side_stream_ar_norm(ctx, token_counts, hidden, sms_counts):
+    """The token-split graph's fused all-reduce + residual + RMSNorm on a side stream
+    (tpweave::all_reduce_rms_norm_start, then _wait after a matmul on the current stream), against the sum of
+    every rank's input + the reference add + norm: eager, with the inputs dropped and their memory written over
+    between start and wait (the op must keep them alive), and captured in a CUDA graph with two subsets in flight
+    at once (A started, B started, A waited, B waited: the token-split order), replayed on new data.
+    Returns {(M, num_sms, "eager" | "graph"): worst error}."""
+    from tpweave.ops import rms_norm
+
+    ops, dev, out = torch.ops.tpweave, ctx.device, {}
+    w = torch.rand(hidden, device=dev, dtype=torch.bfloat16, generator=torch.Generator(device=dev).manual_seed(3)) + 0.5
+    big = _draw(5, 2048, 2048, device=dev)
+
+    def inputs(m, seed):
+        xs = [_draw(seed * 97 + r, m, hidden, device=dev) for r in range(ctx.world_size)]
+        res = _draw(seed * 97 + 50, m, hidden, device=dev)
+        want = rms_norm.add_rms_norm_reference(sum(x.float() for x in xs).to(torch.bfloat16), res, w, eps=1e-5,
+                                               weight_in_fp32=False)  # fmt: skip
+        return xs[ctx.rank], res, want
+
+    def err(got, want):
+        return max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, want))
+
+    for m in token_counts:
+        for sms in sms_counts:
+            worst = 0.0
+            for step in range(3):
+                x, res, want = inputs(m, m * 10 + step)
+                y, h = ops.all_reduce_rms_norm_start(x.clone(), res.clone(), w, 1e-5, False, ctx.group_name,
+                                                     ctx.world_size, sms)  # fmt: skip
+                junk = [torch.full_like(x, float("nan")) for _ in range(4)]  # reuses the clones' memory if freed
+                _ = big @ big  # the other subset's matmul, on the current stream
+                # the clones (the kernel's inputs) have no reference left here: only the op keeps them alive
+                ops.all_reduce_rms_norm_wait(y, h, x, res, w, ctx.group_name, ctx.world_size)
+                worst = max(worst, err((y, h), want))
+                del junk
+            out[(m, sms, "eager")] = worst
+            xa, ra, xb, rb = (torch.zeros(m, hidden, device=dev, dtype=torch.bfloat16) for _ in range(4))
+
+            def two_subsets():
+                ya, ha = ops.all_reduce_rms_norm_start(xa, ra, w, 1e-5, False, ctx.group_name, ctx.world_size, sms)
+                _ = big @ big
+                yb, hb = ops.all_reduce_rms_norm_start(xb, rb, w, 1e-5, False, ctx.group_name, ctx.world_size, sms)
+                ops.all_reduce_rms_norm_wait(ya, ha, xa, ra, w, ctx.group_name, ctx.world_size)
+                _ = big @ big
+                ops.all_reduce_rms_norm_wait(yb, hb, xb, rb, w, ctx.group_name, ctx.world_size)
+                return [t.clone() for t in (ya, ha, yb, hb)]
+
+            two_subsets()
+            graph, got = capture_graph(two_subsets)
+            worst = 0.0
+            for step in range(8):
+                x1, r1, want1 = inputs(m, 500 + step)
+                x2, r2, want2 = inputs(m, 900 + step)
+                for dst, src in ((xa, x1), (ra, r1), (xb, x2), (rb, r2)):
+                    dst.copy_(src)
+                graph.replay()
+                worst = max(worst, err(got[:2], want1), err(got[2:], want2))
+            del graph
+            out[(m, sms, "graph")] = worst
+    return out
+
+
+@torch.no_grad()
 def gpu_peer_never_arrives(ctx, name, log_path):
     """One call of strategy `name` on every rank, then rank 0 calls it again after its peers left (a
     peer that died): its kernel must stop the process with a message once the group's timeout passed,

@@ -1,6 +1,7 @@
-"""Paged attention for decode (one new token per sequence) in at most two Triton kernels per layer:
-the first writes the new tokens' K/V into the page pool and attends over the context, split across
-programs (flash-decoding) when batch x kv heads cannot fill the GPU; the second merges the splits.
+"""Paged attention for decode (one new token per sequence) in one Triton kernel per layer: it writes the new
+tokens' K/V into the page pool and attends over the context, split across programs (flash-decoding) when
+batch x kv heads cannot fill the GPU; the last program of a split (sequence, kv head) to finish merges the
+splits (a second kernel does where the arrival counters cannot serve, see `_split_counters`).
 
 Legend: B sequences (= tokens), H q heads, K kv heads (GQA group H // K), D head dim, S context splits.
 A program takes one sequence, one kv head (all GROUP q heads of it at once, padded to 16 rows for
@@ -69,6 +70,8 @@ if triton is not None:
         ctx_ptr,
         o_ptr,
         lse_ptr,
+        out_ptr,
+        count_ptr,
         stride_qm,
         stride_qh,
         stride_knm,
@@ -85,6 +88,8 @@ if triton is not None:
         stride_os,
         stride_lm,
         stride_lh,
+        stride_outm,
+        stride_outh,
         scale,
         block_size,
         tokens_per_split,
@@ -93,6 +98,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
+        MERGE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -145,8 +151,43 @@ if triton is not None:
             tl.store(o_ptr + o_offs, out, mask=row_ok[:, None])
             lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + seq * stride_lm + heads * stride_lh + split, lse, mask=row_ok)
+            if MERGE:
+                # the last split of (seq, kv head) to finish merges them all: every thread's stores above, then one
+                # release/acquire count per program (the counter goes back to 0 for the next launch)
+                tl.debug_barrier()
+                counter = count_ptr + seq * tl.num_programs(1) + kvh
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+                    _merge_splits(
+                        o_ptr, lse_ptr, out_ptr, seq, heads, row_ok, tl.num_programs(2), stride_om, stride_oh,
+                        stride_os, stride_lm, stride_lh, stride_outm, stride_outh, HEAD_DIM,
+                    )  # fmt: skip
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         else:
             tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_splits(o_ptr, lse_ptr, out_ptr, seq, heads, row_ok, num_splits, stride_om, stride_oh, stride_os,
+                      stride_lm, stride_lh, stride_outm, stride_outh, HEAD_DIM: tl.constexpr):  # fmt: skip
+        """out[seq, heads] from the splits' partial outputs and log-sum-exps (rows of other programs: loaded
+        past L1)."""
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.full(heads.shape, float("-inf"), tl.float32)
+        w_sum = tl.zeros(heads.shape, tl.float32)
+        acc = tl.zeros([heads.shape[0], HEAD_DIM], tl.float32)
+        for s in range(num_splits):
+            lse = tl.load(lse_ptr + seq * stride_lm + heads * stride_lh + s, mask=row_ok, other=float("-inf"),
+                          cache_modifier=".cg")  # fmt: skip
+            o = tl.load(o_ptr + seq * stride_om + heads[:, None] * stride_oh + s * stride_os + d[None, :],
+                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+            m_new = tl.maximum(m, lse)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with data yet: weights exp(-inf) = 0
+            alpha, beta = tl.exp(m - m_ref), tl.exp(lse - m_ref)
+            acc = acc * alpha[:, None] + o * beta[:, None]
+            w_sum = w_sum * alpha + beta
+            m = m_new
+        out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_outm + heads[:, None] * stride_outh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
     @triton.jit
     def _merge_kernel(
@@ -180,6 +221,24 @@ if triton is not None:
         tl.store(out_ptr + seq * stride_outm + head * stride_outh + d, out.to(out_ptr.dtype.element_ty))
 
 
+MAX_COUNTERS = 1 << 16  # sequences x kv heads of one launch whose splits the decode kernel merges itself
+# Process-wide, like cuBLAS's workspace: device index -> per (sequence, kv head) arrival counts of the split
+# programs, all 0 between launches (the merging program resets its own). Launches on two streams at once would
+# share them: decode runs on one stream per device.
+_COUNTERS: dict[int, Tensor] = {}
+
+
+def _split_counters(device: torch.device, needed: int) -> Tensor | None:
+    """The device's counters, None where they cannot serve (too many, or first needed during CUDA graph capture,
+    which cannot allocate memory that outlives the graph): the separate merge kernel runs then."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COUNTERS:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[index] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=torch.device("cuda", index))
+    return _COUNTERS[index] if needed <= MAX_COUNTERS else None
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -209,10 +268,13 @@ def paged_decode(
     block_size: int,
     scale: float,
     tuning: DecodeTuning = DEFAULT_TUNING,
+    *,
+    merge_in_kernel: bool = True,
 ) -> Tensor:
     """Sequence b's one new token (q_MHD[b], K/V k_new[b] / v_new[b], stored at slot_mapping[b]) attends to
     the first context_lens[b] positions of its blocks block_tables[b]; (B, H, D) in q's dtype. Inputs may be
-    strided views (the rows of a fused QKV output); the last dim must be contiguous."""
+    strided views (the rows of a fused QKV output); the last dim must be contiguous. Split contexts are merged
+    by the last program of each (sequence, kv head) (merge_in_kernel), else by a second kernel."""
     num_seqs, num_heads, head_dim = q_MHD.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -222,10 +284,12 @@ def paged_decode(
         num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q_MHD.device.index or 0), tuning
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_MHD.dtype, device=q_MHD.device)
+    counters = None
     if splits > 1:
         o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q_MHD.device)
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_MHD.device)
         o_strides, lse_strides = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
+        counters = _split_counters(q_MHD.device, num_seqs * num_kv_heads) if merge_in_kernel else None
     else:
         o, lse = out, out  # lse unused
         o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -240,6 +304,8 @@ def paged_decode(
         context_lens,
         o,
         lse,
+        out,
+        out if counters is None else counters,
         q_MHD.stride(0),
         q_MHD.stride(1),
         k_new.stride(0),
@@ -253,6 +319,8 @@ def paged_decode(
         block_tables.stride(0),
         *o_strides,
         *lse_strides,
+        out.stride(0),
+        out.stride(1),
         scale,
         block_size,
         per_split,
@@ -261,10 +329,11 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK=tuning.block_n,
         SPLIT=splits > 1,
+        MERGE=counters is not None,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and counters is None:
         _merge_kernel[(num_seqs, num_heads)](
             o,
             lse,
