@@ -189,3 +189,33 @@ def test_decode_buckets_and_padded_graph_inputs():
     assert ids.tolist() == [5, 8, 0, 0] and pos.tolist() == [4, 1, 0, 0] and ctx_lens.tolist() == [5, 2, 1, 1]
     assert slots.tolist() == [slot_of([3, 5], 4, 4), slot_of([0], 1, 4), 8 * 4, 8 * 4]  # pad rows write the pad block
     assert tables.shape == (4, 8) and tables[0, :2].tolist() == [3, 5] and (tables[2:] == 8).all()
+
+
+def test_paged_attention_with_rope_inside_equals_rope_then_attention_on_cpu():
+    """The paged op's CPU path with cos_sin/positions: RoPE (ops/rope.py) first, then the reference attention."""
+    from tpweave.ops import rope
+
+    gen = torch.Generator().manual_seed(0)
+    ctx_lens, bs, heads, kv_heads, d = [3, 20], 4, 4, 2, 16  # a fresh prompt of 3 tokens, one decode token
+    k_cache, v_cache = (torch.randn(64, kv_heads, d, generator=gen) for _ in range(2))
+    tables = torch.tensor([[5, 0, 0, 0, 0], [1, 2, 7, 9, 11]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 19])
+    slots = torch.stack([tables[b, p // bs].long() * bs + p % bs for b, p in zip([0, 0, 0, 1], positions.tolist())])
+    q, k, v = (
+        torch.randn(4, heads, d, generator=gen),
+        torch.randn(4, kv_heads, d, generator=gen),
+        torch.randn(4, kv_heads, d),
+    )
+    cu, ctx = torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32)
+    angles = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    caches = (k_cache.clone(), v_cache.clone())
+    got = torch.ops.tpweave.paged_attention(
+        q, k, v, k_cache, v_cache, slots, cu, ctx, tables, bs, 0.25, cos_sin, positions
+    )
+    q_rot, k_rot = rope.rotate(q, cos_sin, positions), rope.rotate(k, cos_sin, positions)
+    want = torch.ops.tpweave.paged_attention(q_rot, k_rot, v, *caches, slots, cu, ctx, tables, bs, 0.25)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(k_cache[slots], k_rot)
+    with pytest.raises(ValueError, match="cos_sin and positions go together"):
+        torch.ops.tpweave.paged_attention(q, k, v, k_cache, v_cache, slots, cu, ctx, tables, bs, 0.25, cos_sin)

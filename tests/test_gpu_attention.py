@@ -66,6 +66,37 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens):
     torch.testing.assert_close(k_cache[slots], k_new)
 
 
+def _cos_sin(head_dim: int, positions: int = 16384) -> torch.Tensor:
+    from tpweave.models.layers import rope_inv_freq
+
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), rope_inv_freq(head_dim, 500000.0, None))
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).cuda()
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens",
+    [([1], [3000]), ([1] * 64, [17 + 31 * i for i in range(64)]), ([37, 1, 300], [37, 900, 812])],
+)
+def test_paged_attention_with_rope_inside_equals_rope_then_attention(q_lens, ctx_lens):
+    """RoPE inside the op (the decode kernel's registers; rope_qk's kernel before prefill) == ops/rope.py's torch
+    form applied first: the same rotated K in the cache, the same output within bf16 rounding."""
+    from tpweave.ops import rope
+
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = _paged_case(q_lens, ctx_lens)
+    cos_sin = _cos_sin(q.shape[-1])
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, ctx_lens)]).cuda()
+    k_cache2, v_cache2 = k_cache.clone(), v_cache.clone()
+    got = torch.ops.tpweave.paged_attention(
+        q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale, cos_sin, positions
+    )
+    q_rot, k_rot = rope.rotate(q, cos_sin, positions), rope.rotate(k_new, cos_sin, positions)
+    want = torch.ops.tpweave.paged_attention(q_rot, k_rot, v_new, k_cache2, v_cache2, slots, cu, ctx, tables, bs, scale)
+    assert torch.equal(k_cache[slots], k_rot)  # the kernel rounds the rotated k to bf16 as rope.rotate does
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    q2, k2 = rope.rotate_qk(q, k_new, cos_sin, positions)
+    assert torch.equal(q2, q_rot) and torch.equal(k2, k_rot)
+
+
 def test_decode_kernel_is_cuda_graph_safe():
     args = _paged_case([1] * 8, [100 * (i + 1) for i in range(8)])
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args

@@ -92,18 +92,18 @@ def test_add_rms_norm_kernel_compiles(has_s2):
     )
 
 
-@pytest.mark.parametrize("split,merge", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("split,merge,rope", [(False, False, False), (True, False, True), (True, True, True)])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (8, 128), (1, 64)])
-def test_paged_decode_kernels_compile(group, head_dim, split, merge):
+def test_paged_decode_kernels_compile(group, head_dim, split, merge, rope):
     fn = paged_decode._decode_kernel
     ptrs = dict(q_ptr="*bf16", kn_ptr="*bf16", vn_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64")
     ptrs.update(tables_ptr="*i32", ctx_ptr="*i32", o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
-    ptrs.update(out_ptr="*bf16", count_ptr="*i32")
+    ptrs.update(out_ptr="*bf16", count_ptr="*i32", cs_ptr="*fp32", pos_ptr="*i64")
     scalars = dict(scale="fp32", block_size="i32", tokens_per_split="i32")
     strides = {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     tuning = paged_decode.DEFAULT_TUNING
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
-    meta.update(BLOCK=tuning.block_n, SPLIT=split, MERGE=merge)
+    meta.update(BLOCK=tuning.block_n, SPLIT=split, MERGE=merge, SPLITS_PAD=16, ROPE=rope)
     ptx = compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
     if merge:  # the arrival count releases the split's stores and acquires the others' (at GPU scope)
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
@@ -111,6 +111,16 @@ def test_paged_decode_kernels_compile(group, head_dim, split, merge):
     strides = {name: "i32" for name in merge.arg_names if name.startswith("stride_")}
     types = dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32", **strides)
     compile_for_gpu(merge, types, dict(SPLITS_PAD=8, HEAD_DIM=head_dim), num_warps=4)
+
+
+@pytest.mark.parametrize("num_q,num_k,head_dim", [(32, 8, 128), (5, 1, 64)])
+def test_rope_qk_kernel_compiles(num_q, num_k, head_dim):
+    from tpweave.ops import rope
+
+    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64")
+    strides = {name: "i32" for name in rope._rope_qk_kernel.arg_names if name.startswith("stride_")}
+    meta = dict(NUM_Q=num_q, NUM_K=num_k, Q_PAD=triton.next_power_of_2(num_q), K_PAD=triton.next_power_of_2(num_k))
+    compile_for_gpu(rope._rope_qk_kernel, {**ptrs, **strides}, {**meta, "HEAD_DIM": head_dim}, num_warps=4)
 
 
 @pytest.mark.parametrize("wait", [False, True])
@@ -137,6 +147,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_add_rms_norm_kernel",
         "_decode_kernel",
         "_merge_kernel",
+        "_rope_qk_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tpweave.ops import fp8
+from tpweave.ops import fp8, rope
 from tpweave.ops.collectives import all_gather_dim0, all_reduce
 from tpweave.runtime.context import TPContext
 
@@ -187,10 +187,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions_M: Tensor, q_MHD: Tensor, k_MKD: Tensor) -> tuple[Tensor, Tensor]:
         """q (M, H, D) and k (M, K, D) rotated by the angles of their tokens' positions (M,)."""
-        cos, sin = self.cos_sin[positions_M].unsqueeze(1).chunk(2, dim=-1)  # (M, 1, D/2)
-        return _rotate(q_MHD, cos, sin), _rotate(k_MKD, cos, sin)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return rope.rotate(q_MHD, self.cos_sin, positions_M), rope.rotate(k_MKD, self.cos_sin, positions_M)

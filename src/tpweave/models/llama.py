@@ -71,10 +71,10 @@ class Attention(nn.Module):
         # q/k/v slices would make Inductor guard on M == 1 (a recompile at decode of one sequence).
         qkv_MXD = self.qkv_proj(x_MH).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv_MXD.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = self.rotary(positions_M, q, k)
         if kv is None:
+            q, k = self.rotary(positions_M, q, k)
             o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
-        else:
+        else:  # RoPE inside the paged op: in the decode kernel's registers, no kernel of its own
             o = torch.ops.tpweave.paged_attention(
                 q,
                 k,
@@ -87,6 +87,8 @@ class Attention(nn.Module):
                 kv.block_tables,
                 kv.block_size,
                 self.scale,
+                self.rotary.cos_sin,
+                positions_M,
             )
         return self.o_proj(o.view(num_tokens, self.num_heads * self.head_dim))
 

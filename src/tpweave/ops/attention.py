@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tpweave.ops import paged_decode
+from tpweave.ops import paged_decode, rope
 
 
 def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
@@ -68,20 +68,28 @@ def paged_attention(
     block_tables: Tensor,
     block_size: int,
     scale: float,
+    cos_sin: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Attention of each sequence's new tokens against its whole context in a paged KV cache.
 
     k_cache/v_cache (num_slots, K, D): the page pool, slot = block * block_size + offset. The new
     tokens' K/V are written at slot_mapping (M,) first. Sequence b has new rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and context_lens[b] tokens in all (cached + new);
-    block_tables (B, max_blocks) lists its blocks.
+    block_tables (B, max_blocks) lists its blocks. With cos_sin (P, D) and positions (M,), q and k are
+    unrotated and RoPE is applied here (ops/rope.py; in the decode kernel's registers on CUDA).
     """
     num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
+    if (cos_sin is None) != (positions is None):
+        raise ValueError("paged_attention: cos_sin and positions go together (RoPE inside the op) or not at all")
     if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
-        # one new token per sequence (shapes only, no host sync): KV write and attention in the Triton kernel
+        # one new token per sequence (shapes only, no host sync): RoPE, KV write and attention in the Triton kernel
         return paged_decode.paged_decode(
-            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale
-        )
+            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale,
+            cos_sin=cos_sin, positions=positions,
+        )  # fmt: skip
+    if cos_sin is not None:
+        q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions)
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
     if paged_decode.supported(q_MHD, k_cache):
@@ -146,5 +154,6 @@ def _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, blo
 
 
 @paged_attention.register_fake
-def _(q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables, block_size, scale):
+def _(q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables, block_size, scale,
+      cos_sin=None, positions=None):  # fmt: skip
     return q_MHD.new_empty(q_MHD.shape)

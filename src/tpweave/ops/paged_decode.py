@@ -21,6 +21,8 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+
+    from tpweave.ops.rope import rotated_heads
 except ImportError:  # CPU-only installs: the reference path in attention.py is used
     triton = None
 
@@ -72,6 +74,9 @@ if triton is not None:
         lse_ptr,
         out_ptr,
         count_ptr,
+        cs_ptr,
+        pos_ptr,
+        stride_cs,
         stride_qm,
         stride_qh,
         stride_knm,
@@ -99,6 +104,8 @@ if triton is not None:
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
         MERGE: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        ROPE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -112,7 +119,13 @@ if triton is not None:
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + seq * stride_qm + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+        if ROPE:  # q and the new k arrive unrotated: rotated here, rounded to their dtype as rope.rotate does
+            pos = tl.load(pos_ptr + seq)
+            q = rotated_heads(q_ptr + seq * stride_qm, stride_qh, heads, row_ok, cs_ptr, pos, stride_cs, HEAD_DIM)
+            q = q.to(q_ptr.dtype.element_ty)
+        else:
+            q_offs = seq * stride_qm + heads[:, None] * stride_qh + d[None, :]
+            q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -132,7 +145,13 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if (new_pos >= start) & (new_pos < end):
-            k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
+            if ROPE:
+                one = kvh + tl.arange(0, 1)
+                k_new = rotated_heads(kn_ptr + seq * stride_knm, stride_knh, one, one >= 0, cs_ptr, pos, stride_cs,
+                                      HEAD_DIM)  # fmt: skip
+                k_new = tl.sum(k_new, 0).to(kn_ptr.dtype.element_ty)
+            else:
+                k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
             v_new = tl.load(vn_ptr + seq * stride_vnm + kvh * stride_vnh + d)
             slot_new = tl.load(slot_ptr + seq)
             tl.store(k_ptr + slot_new * stride_ks + kvh * stride_kh + d, k_new)
@@ -158,36 +177,33 @@ if triton is not None:
                 counter = count_ptr + seq * tl.num_programs(1) + kvh
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
                     _merge_splits(
-                        o_ptr, lse_ptr, out_ptr, seq, heads, row_ok, tl.num_programs(2), stride_om, stride_oh,
-                        stride_os, stride_lm, stride_lh, stride_outm, stride_outh, HEAD_DIM,
+                        o_ptr, lse_ptr, out_ptr, seq, kvh, tl.num_programs(2), stride_om, stride_oh, stride_os,
+                        stride_lm, stride_lh, stride_outm, stride_outh, GROUP, SPLITS_PAD, HEAD_DIM,
                     )  # fmt: skip
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         else:
             tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _merge_splits(o_ptr, lse_ptr, out_ptr, seq, heads, row_ok, num_splits, stride_om, stride_oh, stride_os,
-                      stride_lm, stride_lh, stride_outm, stride_outh, HEAD_DIM: tl.constexpr):  # fmt: skip
-        """out[seq, heads] from the splits' partial outputs and log-sum-exps (rows of other programs: loaded
-        past L1)."""
+    def _merge_splits(o_ptr, lse_ptr, out_ptr, seq, kvh, num_splits, stride_om, stride_oh, stride_os, stride_lm,
+                      stride_lh, stride_outm, stride_outh, GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr):  # fmt: skip
+        """out[seq, heads of kv head kvh] from the splits' partial outputs and log-sum-exps: one q head at a time,
+        all splits loaded at once (written by other programs: loaded past L1)."""
+        s = tl.arange(0, SPLITS_PAD)
+        s_ok = s < num_splits
         d = tl.arange(0, HEAD_DIM)
-        m = tl.full(heads.shape, float("-inf"), tl.float32)
-        w_sum = tl.zeros(heads.shape, tl.float32)
-        acc = tl.zeros([heads.shape[0], HEAD_DIM], tl.float32)
-        for s in range(num_splits):
-            lse = tl.load(lse_ptr + seq * stride_lm + heads * stride_lh + s, mask=row_ok, other=float("-inf"),
+        for g in tl.static_range(GROUP):
+            head = kvh * GROUP + g
+            lse = tl.load(lse_ptr + seq * stride_lm + head * stride_lh + s, mask=s_ok, other=float("-inf"),
                           cache_modifier=".cg")  # fmt: skip
-            o = tl.load(o_ptr + seq * stride_om + heads[:, None] * stride_oh + s * stride_os + d[None, :],
-                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-            m_new = tl.maximum(m, lse)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with data yet: weights exp(-inf) = 0
-            alpha, beta = tl.exp(m - m_ref), tl.exp(lse - m_ref)
-            acc = acc * alpha[:, None] + o * beta[:, None]
-            w_sum = w_sum * alpha + beta
-            m = m_new
-        out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_outm + heads[:, None] * stride_outh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+            top = tl.max(lse, 0)
+            w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # splits past the context: exp(-inf) = 0
+            o = tl.load(o_ptr + seq * stride_om + head * stride_oh + s[:, None] * stride_os + d[None, :],
+                        mask=s_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+            w_sum = tl.sum(w, 0)
+            out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+            tl.store(out_ptr + seq * stride_outm + head * stride_outh + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _merge_kernel(
@@ -270,11 +286,14 @@ def paged_decode(
     tuning: DecodeTuning = DEFAULT_TUNING,
     *,
     merge_in_kernel: bool = True,
+    cos_sin: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Sequence b's one new token (q_MHD[b], K/V k_new[b] / v_new[b], stored at slot_mapping[b]) attends to
     the first context_lens[b] positions of its blocks block_tables[b]; (B, H, D) in q's dtype. Inputs may be
     strided views (the rows of a fused QKV output); the last dim must be contiguous. Split contexts are merged
-    by the last program of each (sequence, kv head) (merge_in_kernel), else by a second kernel."""
+    by the last program of each (sequence, kv head) (merge_in_kernel), else by a second kernel. With cos_sin and
+    positions (ops/rope.py), q and k_new are unrotated and the kernel applies RoPE."""
     num_seqs, num_heads, head_dim = q_MHD.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -306,6 +325,9 @@ def paged_decode(
         lse,
         out,
         out if counters is None else counters,
+        q_MHD if cos_sin is None else cos_sin,
+        slot_mapping if positions is None else positions,
+        0 if cos_sin is None else cos_sin.stride(0),
         q_MHD.stride(0),
         q_MHD.stride(1),
         k_new.stride(0),
@@ -330,6 +352,8 @@ def paged_decode(
         BLOCK=tuning.block_n,
         SPLIT=splits > 1,
         MERGE=counters is not None,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        ROPE=cos_sin is not None,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )

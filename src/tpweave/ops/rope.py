@@ -1,0 +1,88 @@
+"""Rotary position embedding, rotate-half form (HF Llama checkpoints): x (M, X, D) for M tokens of X heads,
+rotated by the angles of each token's position. cos_sin (P, D) fp32 holds [cos | sin] of the D/2 angles of
+each position; the math is fp32, the result rounded once to x's dtype.
+
+`rotate` is the torch form (the model's own RoPE, CPU paths); `rotate_qk` rotates a step's q and k heads in one
+Triton kernel on CUDA (the paged attention op's prefill path; its decode kernel rotates in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def rotate(x_MXD: Tensor, cos_sin_PD: Tensor, positions_M: Tensor) -> Tensor:
+    """x rotated by the angles of positions (module doc: layout), in x's dtype."""
+    cos, sin = cos_sin_PD[positions_M].unsqueeze(1).chunk(2, dim=-1)  # (M, 1, D/2)
+    x1, x2 = x_MXD.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_MXD.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def rotated_heads(x_ptr, stride_xh, heads, head_ok, cs_ptr, pos, stride_cs, HEAD_DIM: tl.constexpr):
+        """fp32 (len(heads), HEAD_DIM): rows `heads` of one token's (heads, HEAD_DIM) block at x_ptr, rotated by
+        the angles of position `pos`."""
+        half: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HEAD_DIM)
+        partner = (d + half) % HEAD_DIM
+        sign = tl.where(d < half, -1.0, 1.0)
+        x = tl.load(x_ptr + heads[:, None] * stride_xh + d[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
+        xp = tl.load(x_ptr + heads[:, None] * stride_xh + partner[None, :], mask=head_ok[:, None], other=0.0)
+        cos = tl.load(cs_ptr + pos * stride_cs + d % half)
+        sin = tl.load(cs_ptr + pos * stride_cs + half + d % half)
+        return x * cos[None, :] + sign[None, :] * xp.to(tl.float32) * sin[None, :]
+
+    @triton.jit
+    def _rope_qk_kernel(
+        q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, pos_ptr,
+        stride_qm, stride_qh, stride_km, stride_kh, stride_cs,
+        NUM_Q: tl.constexpr, NUM_K: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        m = tl.program_id(0)
+        pos = tl.load(pos_ptr + m)
+        d = tl.arange(0, HEAD_DIM)
+        hq = tl.arange(0, Q_PAD)
+        q = rotated_heads(q_ptr + m * stride_qm, stride_qh, hq, hq < NUM_Q, cs_ptr, pos, stride_cs, HEAD_DIM)
+        offs = m * NUM_Q * HEAD_DIM + hq[:, None] * HEAD_DIM + d[None, :]
+        tl.store(qo_ptr + offs, q.to(qo_ptr.dtype.element_ty), mask=(hq < NUM_Q)[:, None])
+        hk = tl.arange(0, K_PAD)
+        k = rotated_heads(k_ptr + m * stride_km, stride_kh, hk, hk < NUM_K, cs_ptr, pos, stride_cs, HEAD_DIM)
+        offs = m * NUM_K * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :]
+        tl.store(ko_ptr + offs, k.to(ko_ptr.dtype.element_ty), mask=(hk < NUM_K)[:, None])
+
+
+def rotate_qk(q_MHD: Tensor, k_MKD: Tensor, cos_sin_PD: Tensor, positions_M: Tensor) -> tuple[Tensor, Tensor]:
+    """(rotate(q), rotate(k)), contiguous: one Triton kernel on CUDA (head dim a power of 2, last dims
+    contiguous), the torch form elsewhere."""
+    d = q_MHD.shape[-1]
+    if not (
+        triton is not None
+        and q_MHD.is_cuda
+        and d & (d - 1) == 0
+        and q_MHD.stride(-1) == 1
+        and k_MKD.stride(-1) == 1
+        and cos_sin_PD.stride(-1) == 1
+    ):
+        return rotate(q_MHD, cos_sin_PD, positions_M), rotate(k_MKD, cos_sin_PD, positions_M)
+    q_out, k_out = (
+        torch.empty(q_MHD.shape, dtype=q_MHD.dtype, device=q_MHD.device),
+        torch.empty(k_MKD.shape, dtype=k_MKD.dtype, device=k_MKD.device),
+    )
+    if q_MHD.shape[0]:
+        num_q, num_k = q_MHD.shape[1], k_MKD.shape[1]
+        _rope_qk_kernel[(q_MHD.shape[0],)](
+            q_MHD, k_MKD, q_out, k_out, cos_sin_PD, positions_M,
+            q_MHD.stride(0), q_MHD.stride(1), k_MKD.stride(0), k_MKD.stride(1), cos_sin_PD.stride(0),
+            NUM_Q=num_q, NUM_K=num_k, Q_PAD=triton.next_power_of_2(num_q), K_PAD=triton.next_power_of_2(num_k),
+            HEAD_DIM=d, num_warps=4,
+        )  # fmt: skip
+    return q_out, k_out
