@@ -120,8 +120,8 @@ if triton is not None:
         heads = kvh * GROUP + rows
         d = tl.arange(0, HEAD_DIM)
         if ROPE:  # q and the new k arrive unrotated: rotated here, rounded to their dtype as rope.rotate does
-            pos = tl.load(pos_ptr + seq)
-            q = rotated_heads(q_ptr + seq * stride_qm, stride_qh, heads, row_ok, cs_ptr, pos, stride_cs, HEAD_DIM)
+            q = rotated_heads(q_ptr + seq * stride_qm, stride_qh, heads, row_ok, cs_ptr, tl.load(pos_ptr + seq),
+                              stride_cs, HEAD_DIM)  # fmt: skip
             q = q.to(q_ptr.dtype.element_ty)
         else:
             q_offs = seq * stride_qm + heads[:, None] * stride_qh + d[None, :]
@@ -145,10 +145,10 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if (new_pos >= start) & (new_pos < end):
-            if ROPE:
+            if ROPE:  # the position loaded again: not held in a register through the loop
                 one = kvh + tl.arange(0, 1)
-                k_new = rotated_heads(kn_ptr + seq * stride_knm, stride_knh, one, one >= 0, cs_ptr, pos, stride_cs,
-                                      HEAD_DIM)  # fmt: skip
+                k_new = rotated_heads(kn_ptr + seq * stride_knm, stride_knh, one, one >= 0, cs_ptr,
+                                      tl.load(pos_ptr + seq), stride_cs, HEAD_DIM)  # fmt: skip
                 k_new = tl.sum(k_new, 0).to(kn_ptr.dtype.element_ty)
             else:
                 k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
