@@ -92,21 +92,18 @@ def test_add_rms_norm_kernel_compiles(has_s2):
     )
 
 
-@pytest.mark.parametrize("split,merge,rope", [(False, False, False), (True, False, True), (True, True, True)])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (8, 128), (1, 64)])
-def test_paged_decode_kernels_compile(group, head_dim, split, merge, rope):
+def test_paged_decode_kernels_compile(group, head_dim, split):
     fn = paged_decode._decode_kernel
     ptrs = dict(q_ptr="*bf16", kn_ptr="*bf16", vn_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64")
     ptrs.update(tables_ptr="*i32", ctx_ptr="*i32", o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
-    ptrs.update(out_ptr="*bf16", count_ptr="*i32", cs_ptr="*fp32", pos_ptr="*i64")
     scalars = dict(scale="fp32", block_size="i32", tokens_per_split="i32")
     strides = {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     tuning = paged_decode.DEFAULT_TUNING
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
-    meta.update(BLOCK=tuning.block_n, SPLIT=split, MERGE=merge, SPLITS_PAD=16, ROPE=rope)
-    ptx = compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
-    if merge:  # the arrival count releases the split's stores and acquires the others' (at GPU scope)
-        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+    meta.update(BLOCK=tuning.block_n, SPLIT=split)
+    compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
     merge = paged_decode._merge_kernel
     strides = {name: "i32" for name in merge.arg_names if name.startswith("stride_")}
     types = dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32", **strides)

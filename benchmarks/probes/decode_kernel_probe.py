@@ -3,10 +3,6 @@ shapes at TP=1 (32 q heads, 8 kv heads, head dim 128, blocks of 16 tokens in ran
 the effective K/V read bandwidth of each, timed inside a CUDA graph of 20 launches.
 
     python benchmarks/probes/decode_kernel_probe.py [--out FILE.json]
-    python benchmarks/probes/decode_kernel_probe.py --variants [--out FILE.json]
-
---variants: RoPE in the kernel or not (q and k arrive rotated) x splits merged in the kernel or by the merge
-kernel, at the default tuning and its neighbours (one pipeline stage, 32-token blocks).
 """
 
 import argparse
@@ -49,46 +45,10 @@ def time_us(fn, n: int = 20) -> float:
     return ms * 1000 / n
 
 
-def variants() -> list[dict]:
-    from tpweave.models.layers import rope_inv_freq
-
-    angles = torch.outer(torch.arange(16384, dtype=torch.float32), rope_inv_freq(HEAD_DIM, 500000.0, None))
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).cuda()
-    base = paged_decode.DEFAULT_TUNING
-    tunings = [
-        base,
-        DecodeTuning(**{**base.__dict__, "num_stages": 1}),
-        DecodeTuning(**{**base.__dict__, "block_n": 32}),
-    ]
-    rows = []
-    for batch, context in [(1, 1024), (1, 8192), (64, 1024), (256, 1024)]:
-        q, k, v, kc, vc, slots, tables, ctx = case(batch, context)
-        positions = (ctx - 1).long()
-        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-        for tuning, rope, merge in itertools.product(tunings, (False, True), (False, True)):
-            extra = dict(cos_sin=cos_sin, positions=positions) if rope else {}
-            run = lambda t=tuning, m=merge, e=extra: paged_decode.paged_decode(  # noqa: E731
-                q, k, v, kc, vc, slots, tables, ctx, BLOCK, 0.088, t, merge_in_kernel=m, **e
-            )
-            us = time_us(run)
-            row = dict(batch=batch, context=context, rope=rope, merge_in_kernel=merge, us=us,
-                       tb_s=kv_bytes / us / 1e6, **tuning.__dict__)  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
-    parser.add_argument("--variants", action="store_true")
     args = parser.parse_args()
-    if args.variants:
-        rows = variants()
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f)
-        return
     shapes = [(1, 1024), (1, 8192), (16, 1024), (64, 1024), (256, 1024), (64, 4096)]
     grid = [
         DecodeTuning(block_n=bn, num_warps=w, num_stages=s, programs_per_sm=p)

@@ -74,7 +74,7 @@ class Attention(nn.Module):
         if kv is None:
             q, k = self.rotary(positions_M, q, k)
             o = torch.ops.tpweave.attention(q, k, v, cu_seqlens, self.scale)
-        else:  # RoPE inside the paged op: in the decode kernel's registers, no kernel of its own
+        else:  # RoPE inside the paged op: one kernel for q and k
             o = torch.ops.tpweave.paged_attention(
                 q,
                 k,

@@ -77,19 +77,18 @@ def paged_attention(
     tokens' K/V are written at slot_mapping (M,) first. Sequence b has new rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and context_lens[b] tokens in all (cached + new);
     block_tables (B, max_blocks) lists its blocks. With cos_sin (P, D) and positions (M,), q and k are
-    unrotated and RoPE is applied here (ops/rope.py; in the decode kernel's registers on CUDA).
+    unrotated and RoPE is applied here (ops/rope.py: one kernel for q and k on CUDA).
     """
     num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
     if (cos_sin is None) != (positions is None):
         raise ValueError("paged_attention: cos_sin and positions go together (RoPE inside the op) or not at all")
-    if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
-        # one new token per sequence (shapes only, no host sync): RoPE, KV write and attention in the Triton kernel
-        return paged_decode.paged_decode(
-            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale,
-            cos_sin=cos_sin, positions=positions,
-        )  # fmt: skip
     if cos_sin is not None:
         q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions)
+    if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
+        # one new token per sequence (shapes only, no host sync): KV write and attention in the Triton kernel
+        return paged_decode.paged_decode(
+            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale
+        )
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
     if paged_decode.supported(q_MHD, k_cache):

@@ -1,7 +1,6 @@
-"""Paged attention for decode (one new token per sequence) in one Triton kernel per layer: it writes the new
-tokens' K/V into the page pool and attends over the context, split across programs (flash-decoding) when
-batch x kv heads cannot fill the GPU; the last program of a split (sequence, kv head) to finish merges the
-splits (a second kernel does where the arrival counters cannot serve, see `_split_counters`).
+"""Paged attention for decode (one new token per sequence) in at most two Triton kernels per layer:
+the first writes the new tokens' K/V into the page pool and attends over the context, split across
+programs (flash-decoding) when batch x kv heads cannot fill the GPU; the second merges the splits.
 
 Legend: B sequences (= tokens), H q heads, K kv heads (GQA group H // K), D head dim, S context splits.
 A program takes one sequence, one kv head (all GROUP q heads of it at once, padded to 16 rows for
@@ -21,8 +20,6 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-
-    from tpweave.ops.rope import rotated_heads
 except ImportError:  # CPU-only installs: the reference path in attention.py is used
     triton = None
 
@@ -72,11 +69,6 @@ if triton is not None:
         ctx_ptr,
         o_ptr,
         lse_ptr,
-        out_ptr,
-        count_ptr,
-        cs_ptr,
-        pos_ptr,
-        stride_cs,
         stride_qm,
         stride_qh,
         stride_knm,
@@ -93,8 +85,6 @@ if triton is not None:
         stride_os,
         stride_lm,
         stride_lh,
-        stride_outm,
-        stride_outh,
         scale,
         block_size,
         tokens_per_split,
@@ -103,9 +93,6 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
-        MERGE: tl.constexpr,
-        SPLITS_PAD: tl.constexpr,
-        ROPE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -119,13 +106,7 @@ if triton is not None:
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
         d = tl.arange(0, HEAD_DIM)
-        if ROPE:  # q and the new k arrive unrotated: rotated here, rounded to their dtype as rope.rotate does
-            q = rotated_heads(q_ptr + seq * stride_qm, stride_qh, heads, row_ok, cs_ptr, tl.load(pos_ptr + seq),
-                              stride_cs, HEAD_DIM)  # fmt: skip
-            q = q.to(q_ptr.dtype.element_ty)
-        else:
-            q_offs = seq * stride_qm + heads[:, None] * stride_qh + d[None, :]
-            q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + seq * stride_qm + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -145,13 +126,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if (new_pos >= start) & (new_pos < end):
-            if ROPE:  # the position loaded again: not held in a register through the loop
-                one = kvh + tl.arange(0, 1)
-                k_new = rotated_heads(kn_ptr + seq * stride_knm, stride_knh, one, one >= 0, cs_ptr,
-                                      tl.load(pos_ptr + seq), stride_cs, HEAD_DIM)  # fmt: skip
-                k_new = tl.sum(k_new, 0).to(kn_ptr.dtype.element_ty)
-            else:
-                k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
+            k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
             v_new = tl.load(vn_ptr + seq * stride_vnm + kvh * stride_vnh + d)
             slot_new = tl.load(slot_ptr + seq)
             tl.store(k_ptr + slot_new * stride_ks + kvh * stride_kh + d, k_new)
@@ -170,40 +145,8 @@ if triton is not None:
             tl.store(o_ptr + o_offs, out, mask=row_ok[:, None])
             lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + seq * stride_lm + heads * stride_lh + split, lse, mask=row_ok)
-            if MERGE:
-                # the last split of (seq, kv head) to finish merges them all: every thread's stores above, then one
-                # release/acquire count per program (the counter goes back to 0 for the next launch)
-                tl.debug_barrier()
-                counter = count_ptr + seq * tl.num_programs(1) + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                    _merge_splits(
-                        o_ptr, lse_ptr, out_ptr, seq, kvh, tl.num_programs(2), stride_om, stride_oh, stride_os,
-                        stride_lm, stride_lh, stride_outm, stride_outh, GROUP, SPLITS_PAD, HEAD_DIM,
-                    )  # fmt: skip
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         else:
             tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-    @triton.jit
-    def _merge_splits(o_ptr, lse_ptr, out_ptr, seq, kvh, num_splits, stride_om, stride_oh, stride_os, stride_lm,
-                      stride_lh, stride_outm, stride_outh, GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                      HEAD_DIM: tl.constexpr):  # fmt: skip
-        """out[seq, heads of kv head kvh] from the splits' partial outputs and log-sum-exps: one q head at a time,
-        all splits loaded at once (written by other programs: loaded past L1)."""
-        s = tl.arange(0, SPLITS_PAD)
-        s_ok = s < num_splits
-        d = tl.arange(0, HEAD_DIM)
-        for g in tl.static_range(GROUP):
-            head = kvh * GROUP + g
-            lse = tl.load(lse_ptr + seq * stride_lm + head * stride_lh + s, mask=s_ok, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            top = tl.max(lse, 0)
-            w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # splits past the context: exp(-inf) = 0
-            o = tl.load(o_ptr + seq * stride_om + head * stride_oh + s[:, None] * stride_os + d[None, :],
-                        mask=s_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-            w_sum = tl.sum(w, 0)
-            out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
-            tl.store(out_ptr + seq * stride_outm + head * stride_outh + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _merge_kernel(
@@ -237,24 +180,6 @@ if triton is not None:
         tl.store(out_ptr + seq * stride_outm + head * stride_outh + d, out.to(out_ptr.dtype.element_ty))
 
 
-MAX_COUNTERS = 1 << 16  # sequences x kv heads of one launch whose splits the decode kernel merges itself
-# Process-wide, like cuBLAS's workspace: device index -> per (sequence, kv head) arrival counts of the split
-# programs, all 0 between launches (the merging program resets its own). Launches on two streams at once would
-# share them: decode runs on one stream per device.
-_COUNTERS: dict[int, Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> Tensor | None:
-    """The device's counters, None where they cannot serve (too many, or first needed during CUDA graph capture,
-    which cannot allocate memory that outlives the graph): the separate merge kernel runs then."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _COUNTERS:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[index] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=torch.device("cuda", index))
-    return _COUNTERS[index] if needed <= MAX_COUNTERS else None
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -284,16 +209,10 @@ def paged_decode(
     block_size: int,
     scale: float,
     tuning: DecodeTuning = DEFAULT_TUNING,
-    *,
-    merge_in_kernel: bool = True,
-    cos_sin: Tensor | None = None,
-    positions: Tensor | None = None,
 ) -> Tensor:
     """Sequence b's one new token (q_MHD[b], K/V k_new[b] / v_new[b], stored at slot_mapping[b]) attends to
     the first context_lens[b] positions of its blocks block_tables[b]; (B, H, D) in q's dtype. Inputs may be
-    strided views (the rows of a fused QKV output); the last dim must be contiguous. Split contexts are merged
-    by the last program of each (sequence, kv head) (merge_in_kernel), else by a second kernel. With cos_sin and
-    positions (ops/rope.py), q and k_new are unrotated and the kernel applies RoPE."""
+    strided views (the rows of a fused QKV output); the last dim must be contiguous."""
     num_seqs, num_heads, head_dim = q_MHD.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -303,12 +222,10 @@ def paged_decode(
         num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q_MHD.device.index or 0), tuning
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_MHD.dtype, device=q_MHD.device)
-    counters = None
     if splits > 1:
         o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q_MHD.device)
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_MHD.device)
         o_strides, lse_strides = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
-        counters = _split_counters(q_MHD.device, num_seqs * num_kv_heads) if merge_in_kernel else None
     else:
         o, lse = out, out  # lse unused
         o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -323,11 +240,6 @@ def paged_decode(
         context_lens,
         o,
         lse,
-        out,
-        out if counters is None else counters,
-        q_MHD if cos_sin is None else cos_sin,
-        slot_mapping if positions is None else positions,
-        0 if cos_sin is None else cos_sin.stride(0),
         q_MHD.stride(0),
         q_MHD.stride(1),
         k_new.stride(0),
@@ -341,8 +253,6 @@ def paged_decode(
         block_tables.stride(0),
         *o_strides,
         *lse_strides,
-        out.stride(0),
-        out.stride(1),
         scale,
         block_size,
         per_split,
@@ -351,13 +261,10 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK=tuning.block_n,
         SPLIT=splits > 1,
-        MERGE=counters is not None,
-        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        ROPE=cos_sin is not None,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )
-    if splits > 1 and counters is None:
+    if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             o,
             lse,

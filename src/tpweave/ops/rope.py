@@ -3,7 +3,9 @@ rotated by the angles of each token's position. cos_sin (P, D) fp32 holds [cos |
 each position; the math is fp32, the result rounded once to x's dtype.
 
 `rotate` is the torch form (the model's own RoPE, CPU paths); `rotate_qk` rotates a step's q and k heads in one
-Triton kernel on CUDA (the paged attention op's prefill path; its decode kernel rotates in registers).
+Triton kernel on CUDA (the paged attention op: one launch per layer where Inductor's RoPE takes two). Rotating
+inside the decode kernel instead measured slower (benchmarks/results/2026-12-02/probes/
+decode-kernel-variants-1xH200.json: 93 vs 70 us at batch 64, context 1024).
 """
 
 from __future__ import annotations
