@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+import torch.fx.experimental._config as fx_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel, token_split
@@ -119,7 +120,11 @@ class TPBackend:
         if tp_pass is not None:
             # The report is written by the pass: a cache hit would skip it, so compile for real.
             patches |= {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        # the token-split pass may turn backed_size_oblivious on for the rest of this graph's compile (token_split.py)
+        with (
+            torch._functorch.config.patch(enable_autograd_cache=False),
+            fx_config.patch(backed_size_oblivious=fx_config.backed_size_oblivious),
+        ):
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _note(self, graph_report: GraphReport, msg: str) -> None:
