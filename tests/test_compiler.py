@@ -617,10 +617,72 @@ def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, referenc
                 assert _close(got, reference_logits[(dtype, m)], dtype), (tp, dtype, m)
 
 
-def test_token_split_leaves_batch_seq_models_alone_with_a_note():
-    """(batch, seq) activations are not split yet: the graph stays the plain one, the report says why."""
-    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, compile_kwargs=TOKEN_SPLIT, nprocs=2)
+# (model kwargs, shapes): both attention styles at every shape (and seq = 1 with batch >= 2 for SDPA); the
+# other norms, raw-parameter matmuls, an op the pass does not know, and flattened MoE tokens at two shapes
+TOKEN_SPLIT_FOREIGN = [
+    ({"norm": "hand"}, FOREIGN_SHAPES),
+    ({"sdpa": True}, [*FOREIGN_SHAPES, (4, 1)]),
+    ({"norm": "fused"}, FOREIGN_SHAPES[:2]),
+    ({"norm": "layernorm"}, FOREIGN_SHAPES[:2]),
+    ({"model_name": "MatmulMLPModel"}, FOREIGN_SHAPES[:2]),
+    ({"unknown_op": True}, FOREIGN_SHAPES[:2]),
+    ({"model_name": "MoEModel"}, FOREIGN_SHAPES[:2]),
+]
+
+
+def test_token_split_runs_batch_seq_models_as_two_sets_of_sequences(foreign_reference):
+    """(batch, seq) models split by sequences (compiler/token_split.py): subset A = batch elements [0, B // 2),
+    attention (matmuls + softmax, or SDPA with its per-sequence mask and rotary positions sliced) stays split.
+    One split graph serves every batch >= 2 (B = 2 and 3: subsets of one sequence) at seq >= 2, one more at
+    seq = 1; a batch of one sequence gets a graph of its own, left whole with a note. Each all-reduce runs once
+    per subset, with the other subset's matmuls before its wait. An op the pass does not know (cumsum) gets
+    the subsets joined first, with a note; MoE blocks (tokens flattened to B * S rows, sorted by expert) are
+    split by tokens and joined before the routing. Logits equal eager TP and TP=1."""
+    cases = [(shapes, kwargs) for kwargs, shapes in TOKEN_SPLIT_FOREIGN]
+    results = tpweave.launch(workers.foreign_cases_outputs, cases, TOKEN_SPLIT, nprocs=2)
     for rank_out in results:
-        for compiled, eager in zip(rank_out["compiled"], rank_out["eager"]):
-            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
-        assert "(batch, seq) models are not split yet" in rank_out["report"], rank_out["report"]
+        for (kwargs, shapes), out in zip(TOKEN_SPLIT_FOREIGN, rank_out):
+            reference = foreign_reference.get("unknown" if kwargs.get("unknown_op") else kwargs.get("norm"), [])
+            for i, (compiled, eager) in enumerate(zip(out["compiled"], out["eager"])):
+                torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5, msg=f"{kwargs} {shapes[i]}")
+                if i < len(reference):
+                    torch.testing.assert_close(compiled, reference[i], atol=1e-4, rtol=1e-4)
+            split = [(g, sched) for g, sched in zip(out["graphs"], out["schedules"]) if g[0] == "split"]
+            notes = [n for g, _ in split for n in g[4]]
+            if kwargs.get("model_name") == "MoEModel":
+                assert any("joined (cat) before" in n and "topk" in n for n in notes), out["report"]
+                continue
+            whole = [g for g, _ in split if "token split: left alone, a batch of one sequence" in g[4]]
+            assert len(whole) == any(b == 1 and b * s >= 4 for b, s in shapes), out["report"]
+            assert all(g[2] == g[1] for g in whole), out["report"]
+            by_sequences = [(g, sched) for g, sched in split if g not in whole]
+            assert len(by_sequences) == len({s == 1 for b, s in shapes if b >= 2 and b * s >= 4}), out["report"]
+            for (_, before, after, sites, graph_notes), schedule in by_sequences:
+                assert after == {"all_reduce": 2 * before["all_reduce"]}, out["report"]
+                subsets = [s[2] for s in sites if s[1] == "token split"]
+                assert subsets == ["subset A", "subset B"] * before["all_reduce"], out["report"]
+                if kwargs.get("unknown_op"):  # the residual joined for cumsum: no overlap across it
+                    assert any("joined (cat) before 2 op(s): cumsum" in n for n in graph_notes), graph_notes
+                else:
+                    assert not any("joined" in n for n in graph_notes), graph_notes
+                    assert uninterleaved_all_reduces(schedule) == [], schedule
+
+
+def test_hf_llama_token_split_by_sequences():
+    """Hugging Face Llama (SDPA attention, sharded with torch's parallelize_module) with the token-split options:
+    its four all-reduces run once per set of sequences, interleaved, attention stays split, nothing is joined
+    but the graph outputs; a batch of one sequence runs whole. Logits equal the unsharded model's."""
+    pytest.importorskip("transformers")
+    shapes = [(2, 3), (4, 16), (1, 7)]
+    for rank_out in tpweave.launch(workers.hf_model_outputs, "llama", shapes, TOKEN_SPLIT, nprocs=2, timeout_s=900):
+        for got, want in zip(rank_out["got"], rank_out["want"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        split = [(g, sites, sched) for g, sites, sched in zip(rank_out["graphs"], rank_out["sites"],
+                                                              rank_out["schedules"]) if g[0] == "split"]  # fmt: skip
+        by_sequences = [(sites, sched) for (_, _, after), sites, sched in split if after.get("all_reduce") == 8]
+        assert len(by_sequences) == 1 and len(split) == 2, rank_out["report"]
+        sites, schedule = by_sequences[0]
+        assert [s[2] for s in sites if s[1] == "token split"] == ["subset A", "subset B"] * 4, rank_out["report"]
+        assert uninterleaved_all_reduces(schedule) == [], schedule
+        assert "token split: left alone, a batch of one sequence" in rank_out["notes"], rank_out["report"]
+        assert not any("joined" in n for n in rank_out["notes"]), rank_out["report"]

@@ -166,13 +166,18 @@ class TokenSplitPass:
             what = "a batch of one sequence" if self.batch else "one token row"
             self.report.notes.append(f"token split: left alone, {what}")
             return False
+        try:
+            self._insert_bounds()
+        except NotRowWise as e:
+            self.edit.erase_unused(self.helpers)
+            self.report.notes.append(f"token split: left alone, {e}")
+            return False
         if self.batch and not isinstance(self.unit, int):
             # B = 2 or 3 makes s or B - s a size 1, on which torch's shape checks (broadcasting, contiguity, here
             # and in Inductor's later passes) would specialize the graph to that B, one recompile each. The
             # subsets' sizes never broadcast (operands with other rows are joined first), so the graph is
             # compiled as for sizes >= 2, the same code for every B; TPBackend restores the flag after it.
             fx_config.backed_size_oblivious = True
-        self._insert_bounds()
         stack = list(reduced)
         while stack:
             n = stack.pop()
@@ -216,7 +221,8 @@ class TokenSplitPass:
                 break
             if u_arg is None and isinstance(v, torch.Tensor) and v.dim() >= 1 and same(v.shape[0], self.unit):
                 u_arg = self.edit.insert(aten.sym_size.int, (p, 0), before=anchor)
-        assert u_arg is not None, "the token count (or batch) is the size of no graph input"
+        if u_arg is None:  # e.g. B * S tokens of a (batch, seq) model that flattens them
+            u_arg = self._size_arg(self.unit.node.expr, before=anchor)
         half = self.edit.insert(operator.floordiv, (u_arg, 2), before=anchor)
         if self.batch:
             s_arg = half
