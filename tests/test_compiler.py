@@ -617,6 +617,52 @@ def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, referenc
                 assert _close(got, reference_logits[(dtype, m)], dtype), (tp, dtype, m)
 
 
+def test_token_split_rules_on_a_traced_batch_seq_graph():
+    """The batch split's rules on a (batch, seq) graph traced with symbolic sizes (no ranks: the all-reduces run
+    as copies): attention as bmm over (batch x heads) rows and a per-sequence mask stay split; a permute that
+    puts the sequence first gets the subsets joined, with a note. Numbers equal the unsplit graph's at every
+    batch (2 and 3: subsets of one sequence) from one graph."""
+    import torch.fx.experimental._config as fx_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpweave.compiler.graph_utils import aten, funcol
+    from tpweave.compiler.report import GraphReport
+    from tpweave.compiler.token_split import TokenSplitPass
+    from tpweave.compiler.tp_group import TPGroup
+
+    hidden, heads = 8, 2
+
+    def layer(x, w_in, w_out, w_seq, reduce):
+        b, s, _ = x.shape
+        h = (x.reshape(b * s, hidden) @ w_in).reshape(b, s, heads, hidden // heads)
+        q = h.permute(0, 2, 1, 3)  # (B, heads, S, hd): the batch still leading
+        mask = (x.sum(-1) > 0)[:, None, None, :]  # (B, 1, 1, S): one per sequence
+        a = (torch.where(mask, q @ q.transpose(-1, -2), -1.0).softmax(-1) @ q).permute(0, 2, 1, 3)
+        seq_major = h.permute(1, 0, 2, 3).reshape(s * b, hidden)  # rows (seq, batch): no longer two subsets
+        return x + reduce((a.reshape(b * s, hidden) @ w_out + seq_major @ w_seq).reshape(b, s, hidden))
+
+    weights = [torch.randn(hidden, hidden) for _ in range(3)]
+    all_reduce = lambda y: funcol.wait_tensor(funcol.all_reduce(y, "sum", "tp"))  # noqa: E731
+    gm = make_fx(lambda x, *w: layer(x, *w, all_reduce), tracing_mode="symbolic")(torch.randn(5, 3, hidden), *weights)
+    num_bmm = sum(n.target is aten.bmm.default for n in gm.graph.nodes)
+    report = GraphReport("split")
+    with fx_config.patch(backed_size_oblivious=False):  # the pass sets it for the rest of a compile
+        assert TokenSplitPass(gm.graph, TPGroup("tp", 0, 2), report).run()
+    assert sum(n.target is aten.bmm.default for n in gm.graph.nodes) == 2 * num_bmm
+    assert [s.reason for s in report.sites] == ["subset A", "subset B"]
+    assert [n for n in report.notes if "joined" in n] == [
+        "token split: subsets joined (cat) before 1 op(s): a permute that moves the leading dim"
+    ], report.notes
+    assert uninterleaved_all_reduces(report.schedule) == [] and "mm B" in report.schedule
+    for n in gm.graph.nodes:
+        if n.target in (funcol.all_reduce.default, funcol.wait_tensor.default):
+            n.target, n.args = aten.clone.default, n.args[:1]
+    gm.recompile()
+    for batch in (2, 3, 4, 7):
+        x = torch.randn(batch, 5, hidden)
+        torch.testing.assert_close(gm(x, *weights), layer(x, *weights, lambda y: y), atol=1e-5, rtol=1e-5)
+
+
 # (model kwargs, shapes): both attention styles at every shape (and seq = 1 with batch >= 2 for SDPA); the
 # other norms, raw-parameter matmuls, an op the pass does not know, and flattened MoE tokens at two shapes
 TOKEN_SPLIT_FOREIGN = [

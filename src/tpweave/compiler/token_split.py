@@ -187,7 +187,7 @@ class TokenSplitPass:
         for node in list(self.graph.nodes):
             if node.op == "output":
                 self._join_inputs(node)
-            elif node.op == "call_function" and node not in self.subset and node not in self.helpers:
+            elif node.op == "call_function" and node not in self.subset:
                 self._visit(node)
         self.edit.erase_unused(self.replaced | self.helpers)
         for n in self.graph.nodes:
@@ -196,9 +196,7 @@ class TokenSplitPass:
                 self.report.add("all_reduce", n, "token split" if k is not None else "left alone",
                                 f"subset {'AB'[k]}" if k is not None else "not on split rows")  # fmt: skip
         if self.batch:
-            self.report.notes.append(
-                "token split: (batch, seq) activations, subsets of B // 2 and B - B // 2 sequences"
-            )
+            self.report.notes.append("token split: by sequences, subset A = batch elements [0, B // 2)")
         for reason, n in sorted(self.join_reasons.items()):
             self.report.notes.append(f"token split: subsets joined (cat) before {n} op(s): {reason}")
         self._interleave()
@@ -239,6 +237,8 @@ class TokenSplitPass:
         split_in = any(a in self.halves for a in node.all_input_nodes)
         if not split_in and not self._starts_split(node):
             return
+        if node.target is aten.sym_size.int and self._size_from_inputs(node):
+            return
         try:
             rows, f = self._rule(node)
             for a in node.all_input_nodes:
@@ -258,6 +258,19 @@ class TokenSplitPass:
         a, b = (self._clone(node, k, rows, f) for k in (0, 1))
         self.halves[node], self.factor[node] = Halves(a, b), f
         self.replaced.add(node)
+
+    def _size_from_inputs(self, node: fx.Node) -> bool:
+        """A size read off a split value, computed from the graph inputs instead (no join); False if it cannot."""
+        size = val(node)
+        try:
+            arg = self._size_arg(size.node.expr, before=node) if isinstance(size, torch.SymInt) else None
+        except NotRowWise:
+            return False
+        if not isinstance(arg, fx.Node):
+            return False
+        node.replace_all_uses_with(arg)
+        self.replaced.add(node)
+        return True
 
     def _starts_split(self, node: fx.Node) -> bool:
         """A matmul of the rows that an all-reduce depends on (not, say, an LM head over every token)."""
@@ -406,7 +419,8 @@ class TokenSplitPass:
             if user.target is not operator.getitem:
                 raise NotRowWise(f"{_name(node)} whose tuple is used whole")
             item = items[user.args[1]]
-            if not isinstance(item, torch.Tensor) or item.dim() == 0 or self._size_factor(item.shape[0]) != f:
+            item_f = self._size_factor(item.shape[0]) if isinstance(item, torch.Tensor) and item.dim() else None
+            if item_f is None or not same(item_f, f):
                 raise NotRowWise(f"{_name(node)} with an output that has no rows")
 
     def _clone(self, node: fx.Node, k: int, rows: list[fx.Node], f: Any) -> fx.Node:
