@@ -16,9 +16,10 @@ Rules, on the post-grad ATen graph:
 - ops independent across their leading rows run once per subset: pointwise ops (operands with the
   output's leading dim split or sliced; lower-rank operands and leading dim 1 broadcast), casts,
   reductions, norms and softmax over other dims, slices / splits / cats / (un)squeezes not on dim 0,
-  permutes that keep dim 0 first, expands that keep it, bmm of two split operands, SDPA over split
-  q / k / v (a mask with their leading dim is sliced, one with leading dim 1 broadcasts), a gather of a
-  table by split indices (RoPE's cos/sin by positions), embedding lookups, the all-reduces and waits;
+  permutes and transposes that keep dim 0 first, expands that keep it, bmm, SDPA over split q / k / v
+  (a mask with their leading dim is sliced, one with leading dim 1 broadcasts), a gather of a table by
+  split indices (RoPE's cos/sin by positions), embedding lookups, the all-reduces and waits; a size read
+  off a split value (sym_size) is computed from the graph inputs instead;
 - a view / reshape whose output's leading dim is a multiple f' x U: a reshape keeps the logical
   row-major order, so subset A (the first s x f rows of its input, s x f x row elements) is exactly its
   first s x f' output rows. (B, S, H) -> (B*S, H) and (B, nh, S, hd) -> (B*nh, S, hd) stay split. That
@@ -34,7 +35,10 @@ so that subset A's matmuls fill whole waves of tiles (any s is correct: attentio
 (batch, seq): B // 2 (subset B gets the odd sequence). Both are computed in the graph from the symbolic
 N or B without guards, so one graph serves every size. A batch of one sequence has a graph of its own
 (Dynamo keeps size-1 dims static, compiler/dynamic.py), left whole with a note; a graph with a
-symbolic B thus has B >= 2, and both subsets have a sequence.
+symbolic B thus has B >= 2, and both subsets have a sequence. At B = 2 or 3 a subset is one sequence,
+a size 1 that torch's shape checks would specialize the graph on (a recompile per B): the batch split
+compiles its graph with torch.fx.experimental._config.backed_size_oblivious on (set here, scoped to the
+graph's compile by TPBackend), sound because the subsets' sizes never meet a broadcast.
 
 Then the subsets are interleaved: the graph is reordered so that subset A runs up to and including the
 start of its all-reduce, then subset B up to the start of its own, then A from its wait on, and so on.
@@ -73,7 +77,7 @@ from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 
 MATMULS = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> index of the activation (rows) argument
-FEATURE_DIM_OPS = {  # ops whose `dim` argument (index 1) must not be the leading dim
+FEATURE_DIM_OPS = {  # ops whose `dim` argument (index 1; 2 for DIM_AT_2) must not be the leading dim
     aten.mean.dim,
     aten.sum.dim_IntList,
     aten.amax.default,
@@ -174,9 +178,9 @@ class TokenSplitPass:
             return False
         if self.batch and not isinstance(self.unit, int):
             # B = 2 or 3 makes s or B - s a size 1, on which torch's shape checks (broadcasting, contiguity, here
-            # and in Inductor's later passes) would specialize the graph to that B, one recompile each. The
-            # subsets' sizes never broadcast (operands with other rows are joined first), so the graph is
-            # compiled as for sizes >= 2, the same code for every B; TPBackend restores the flag after it.
+            # and in Inductor's later passes) would specialize the graph to that B. The subsets' sizes never
+            # broadcast (an operand with other leading rows gets them joined first), so the graph is compiled as
+            # for sizes >= 2, one code for every B; TPBackend restores the flag after this graph's compile.
             fx_config.backed_size_oblivious = True
         stack = list(reduced)
         while stack:
@@ -322,8 +326,8 @@ class TokenSplitPass:
             out = val(node)
             if not isinstance(out, torch.Tensor) or out.dim() == 0:
                 raise NotRowWise(f"{_name(node)} without leading rows")
-            rows = self._pointwise_rows(node.all_input_nodes, out.shape[0], out.dim())
-            return rows, self._row_factor(rows[0]) if rows else self._size_factor(out.shape[0])
+            rows = self._pointwise_rows(node.all_input_nodes, out.shape[0], out.dim())  # the split ones among them
+            return rows, self._row_factor(rows[0])
         if t in FEATURE_DIM_OPS or t is aten.cat.default or t is aten.unsqueeze.default:
             return self._feature_dim_rule(node)
         if t is aten.permute.default:
