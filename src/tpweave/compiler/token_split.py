@@ -35,7 +35,8 @@ so that subset A's matmuls fill whole waves of tiles (any s is correct: attentio
 (batch, seq): B // 2 (subset B gets the odd sequence). Both are computed in the graph from the symbolic
 N or B without guards, so one graph serves every size. A batch of one sequence has a graph of its own
 (Dynamo keeps size-1 dims static, compiler/dynamic.py), left whole with a note; a graph with a
-symbolic B thus has B >= 2, and both subsets have a sequence. At B = 2 or 3 a subset is one sequence,
+symbolic B thus has B >= 2, and both subsets have a sequence (run at B = 1, such a graph would compute
+the same with an empty subset A, as a test of the rules checks). At B = 2 or 3 a subset is one sequence,
 a size 1 that torch's shape checks would specialize the graph on (a recompile per B): the batch split
 compiles its graph with torch.fx.experimental._config.backed_size_oblivious on (set here, scoped to the
 graph's compile by TPBackend), sound because the subsets' sizes never meet a broadcast.
