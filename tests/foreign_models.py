@@ -2,8 +2,9 @@
 
 3-D (batch, seq, hidden) activations, separate q/k/v and gate/up linears with biases, in-place
 `torch.distributed.all_reduce`, norms written by hand / as F.rms_norm / as nn.LayerNorm, a replicated
-embedding whose output meets the first sharded residual. Weights come from a seed and are sliced by
-rank, so every TP degree computes the same function.
+embedding whose output meets the first sharded residual, attention as matmuls + softmax or as SDPA with
+a per-sequence mask and rotary positions. Weights come from a seed and are sliced by rank, so every TP
+degree computes the same function.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class LayerNorm(nn.Module):
 NORMS = {"hand": HandRMSNorm, "fused": FusedRMSNorm, "layernorm": LayerNorm}
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
 class Block(nn.Module):
     def __init__(self, gen, rank, world, *, norm, reduce_op, unknown_op, num_streams=0):
         super().__init__()
@@ -87,15 +93,20 @@ class Block(nn.Module):
         dist.all_reduce(y)
         return y
 
-    def forward(self, x):
+    def forward(self, x, sdpa=None):
         b, s, _ = x.shape
         if self.num_streams:  # hyper-connection style: the residual copied into streams, then mixed
             x = (x.unsqueeze(2).expand(-1, -1, self.num_streams, -1) * self.stream_w).sum(2)
         hx = self.norm1(x)
         q, k, v = (lin(hx).view(b, s, self.heads, self.hd).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5
-        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        a = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        if sdpa is not None:  # rotary positions and an additive mask, both (batch, 1, ...)
+            cos_B1SD, sin_B1SD, mask_B1SS = sdpa
+            q, k = (t * cos_B1SD + _rotate_half(t) * sin_B1SD for t in (q, k))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS).transpose(1, 2).reshape(b, s, -1)
+        else:
+            scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5
+            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            a = (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + self._reduce(self.o(a))
         if self.unknown_op:
             x = x + 0.1 * torch.cumsum(x, dim=-1) / HIDDEN  # token-wise, but not an op the pass knows
@@ -104,9 +115,21 @@ class Block(nn.Module):
 
 
 class ForeignModel(nn.Module):
-    def __init__(self, rank: int, world: int, *, norm="hand", reduce_op="sum", unknown_op=False, num_streams=0, seed=0):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        *,
+        norm="hand",
+        reduce_op="sum",
+        unknown_op=False,
+        num_streams=0,
+        sdpa=False,
+        seed=0,
+    ):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
+        self.sdpa = sdpa
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.embed.weight.data.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
         self.blocks = nn.ModuleList(
@@ -119,9 +142,21 @@ class ForeignModel(nn.Module):
 
     def forward(self, ids_BS):
         x = self.embed(ids_BS)
+        sdpa = self._sdpa_inputs(ids_BS) if self.sdpa else None
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, sdpa)
         return self.head(self.norm(x))
+
+    def _sdpa_inputs(self, ids_BS):
+        """Per-sequence positions (padding, id 0, does not advance them) as rotary cos / sin, and a causal mask
+        that also lowers the scores of every third token id: each sequence its own."""
+        s, hd = ids_BS.shape[1], HIDDEN // HEADS
+        pos_BS = (ids_BS != 0).cumsum(-1)
+        freq = 1.0 / 100.0 ** (torch.arange(hd // 2, device=ids_BS.device) / (hd // 2))
+        angle_BSD = (pos_BS[..., None] * freq).repeat(1, 1, 2)
+        future = torch.full((s, s), float("-inf"), device=ids_BS.device).triu(1)
+        mask_B1SS = future + (-2.0 * (ids_BS % 3 == 0))[:, None, None, :]
+        return angle_BSD.cos()[:, None], angle_BSD.sin()[:, None], mask_B1SS
 
 
 class DTensorBlock(nn.Module):

@@ -627,10 +627,123 @@ def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, referenc
                 assert _close(got, reference_logits[(dtype, m)], dtype), (tp, dtype, m)
 
 
-def test_token_split_leaves_batch_seq_models_alone_with_a_note():
-    """(batch, seq) activations are not split yet: the graph stays the plain one, the report says why."""
-    results = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, compile_kwargs=TOKEN_SPLIT, nprocs=2)
+def test_token_split_rules_on_a_traced_batch_seq_graph():
+    """The batch split's rules on a (batch, seq) graph traced with symbolic sizes (no ranks: the all-reduces run
+    as copies): attention as bmm over (batch x heads) rows and a per-sequence mask stay split; a permute that
+    puts the sequence first gets the subsets joined, with a note. Numbers equal the unsplit graph's at every
+    batch from one graph (2 and 3: subsets of one sequence; 1, which tpweave's graphs never see: A empty)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpweave.compiler.graph_utils import aten, funcol
+    from tpweave.compiler.report import GraphReport
+    from tpweave.compiler.token_split import TokenSplitPass
+    from tpweave.compiler.tp_group import TPGroup
+
+    hidden, heads = 8, 2
+
+    def layer(x, w_in, w_out, w_seq, reduce):
+        b, s, _ = x.shape
+        h = (x.reshape(b * s, hidden) @ w_in).reshape(b, s, heads, hidden // heads)
+        q = h.permute(0, 2, 1, 3)  # (B, heads, S, hd): the batch still leading
+        mask = (x.sum(-1) > 0)[:, None, None, :]  # (B, 1, 1, S): one per sequence
+        a = (torch.where(mask, q @ q.transpose(-1, -2), -1.0).softmax(-1) @ q).permute(0, 2, 1, 3)
+        seq_major = h.permute(1, 0, 2, 3).reshape(s * b, hidden)  # rows (seq, batch): no longer two subsets
+        return x + reduce((a.reshape(b * s, hidden) @ w_out + seq_major @ w_seq).reshape(b, s, hidden))
+
+    weights = [torch.randn(hidden, hidden) for _ in range(3)]
+    all_reduce = lambda y: funcol.wait_tensor(funcol.all_reduce(y, "sum", "tp"))  # noqa: E731
+    gm = make_fx(lambda x, *w: layer(x, *w, all_reduce), tracing_mode="symbolic")(torch.randn(5, 3, hidden), *weights)
+    num_bmm = sum(n.target is aten.bmm.default for n in gm.graph.nodes)
+    report = GraphReport("split")
+    assert TokenSplitPass(gm.graph, TPGroup("tp", 0, 2), report).run()
+    assert sum(n.target is aten.bmm.default for n in gm.graph.nodes) == 2 * num_bmm
+    assert [s.reason for s in report.sites] == ["subset A", "subset B"]
+    assert [n for n in report.notes if "joined" in n] == [
+        "token split: subsets joined (cat) before 1 op(s): a permute that moves the leading dim"
+    ], report.notes
+    assert uninterleaved_all_reduces(report.schedule) == [] and "mm B" in report.schedule
+    for n in gm.graph.nodes:
+        if n.target in (funcol.all_reduce.default, funcol.wait_tensor.default):
+            n.target, n.args = aten.clone.default, n.args[:1]
+    gm.recompile()
+    for batch in (1, 2, 3, 4, 7):
+        x = torch.randn(batch, 5, hidden)
+        torch.testing.assert_close(gm(x, *weights), layer(x, *weights, lambda y: y), atol=1e-5, rtol=1e-5)
+
+
+# (model kwargs, shapes): both attention styles at every shape (and seq = 1 with batch >= 2 for SDPA); the
+# other norms, raw-parameter matmuls, an op the pass does not know, and flattened MoE tokens at two shapes
+TOKEN_SPLIT_FOREIGN = [
+    ({"norm": "hand"}, FOREIGN_SHAPES),
+    ({"sdpa": True}, [*FOREIGN_SHAPES, (4, 1)]),
+    ({"norm": "fused"}, FOREIGN_SHAPES[:2]),
+    ({"norm": "layernorm"}, FOREIGN_SHAPES[:2]),
+    ({"model_name": "MatmulMLPModel"}, FOREIGN_SHAPES[:2]),
+    ({"unknown_op": True}, FOREIGN_SHAPES[:2]),
+    ({"model_name": "MoEModel"}, FOREIGN_SHAPES[:2]),
+]
+
+
+def test_token_split_runs_batch_seq_models_as_two_sets_of_sequences(foreign_reference):
+    """(batch, seq) models split by sequences (compiler/token_split.py): subset A = batch elements [0, B // 2),
+    attention (matmuls + softmax, or SDPA with its per-sequence mask and rotary positions sliced) stays split.
+    Split graphs serve every batch >= 2 (B = 2 and 3, subsets of one sequence, may specialize); a batch of one
+    sequence gets a graph of its own, left whole with a note. Each all-reduce runs once
+    per subset, with the other subset's matmuls before its wait. An op the pass does not know (cumsum) gets
+    the subsets joined first, with a note; MoE blocks (tokens flattened to B * S rows, sorted by expert) are
+    split by tokens and joined before the routing. Logits equal eager TP and TP=1."""
+    cases = [(shapes, kwargs) for kwargs, shapes in TOKEN_SPLIT_FOREIGN]
+    results = tpweave.launch(workers.foreign_cases_outputs, cases, TOKEN_SPLIT, nprocs=2)
     for rank_out in results:
-        for compiled, eager in zip(rank_out["compiled"], rank_out["eager"]):
-            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
-        assert "(batch, seq) models are not split yet" in rank_out["report"], rank_out["report"]
+        for (kwargs, shapes), out in zip(TOKEN_SPLIT_FOREIGN, rank_out):
+            reference = foreign_reference.get("unknown" if kwargs.get("unknown_op") else kwargs.get("norm"), [])
+            for i, (compiled, eager) in enumerate(zip(out["compiled"], out["eager"])):
+                torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5, msg=f"{kwargs} {shapes[i]}")
+                if i < len(reference):
+                    torch.testing.assert_close(compiled, reference[i], atol=1e-4, rtol=1e-4)
+            split = [(g, sched) for g, sched in zip(out["graphs"], out["schedules"]) if g[0] == "split"]
+            notes = [n for g, _ in split for n in g[4]]
+            if kwargs.get("model_name") == "MoEModel":
+                assert any("joined (cat) before" in n and "topk" in n for n in notes), out["report"]
+                continue
+            whole = [g for g, _ in split if "token split: left alone, a batch of one sequence" in g[4]]
+            assert len(whole) == any(b == 1 and b * s >= 4 for b, s in shapes), out["report"]
+            assert all(g[2] == g[1] for g in whole), out["report"]
+            by_sequences = [(g, sched) for g, sched in split if g not in whole]
+            # B = 2, B = 3 and B >= 4 may each specialize (a subset of one sequence), per seq pattern
+            patterns = {(min(b, 4), s == 1) for b, s in shapes if b >= 2 and b * s >= 4}
+            assert 1 <= len(by_sequences) <= len(patterns), out["report"]
+            for (_, before, after, sites, graph_notes), schedule in by_sequences:
+                # each subset's all-reduce: the process group's, or fused with its residual add + RMSNorm
+                assert (
+                    after.get("all_reduce", 0) + after.get("all_reduce_rms_norm_split", 0) == 2 * before["all_reduce"]
+                )
+                subsets = [s[2] for s in sites if s[1] == "token split"]
+                assert subsets == ["subset A", "subset B"] * before["all_reduce"], out["report"]
+                if kwargs.get("unknown_op"):  # the residual joined for cumsum: no overlap across it
+                    assert any("joined (cat) before 2 op(s): cumsum" in n for n in graph_notes), graph_notes
+                else:
+                    assert not any("joined" in n for n in graph_notes), graph_notes
+                    assert uninterleaved_all_reduces(schedule) == [], schedule
+
+
+def test_hf_llama_token_split_by_sequences():
+    """Hugging Face Llama (SDPA attention, sharded with torch's parallelize_module) with the token-split options:
+    its four all-reduces run once per set of sequences, interleaved, attention stays split, nothing is joined
+    but the graph outputs; a batch of one sequence runs whole. Logits equal the unsharded model's."""
+    pytest.importorskip("transformers")
+    shapes = [(2, 3), (4, 16), (1, 7)]
+    for rank_out in tpweave.launch(workers.hf_model_outputs, "llama", shapes, TOKEN_SPLIT, nprocs=2, timeout_s=900):
+        for got, want in zip(rank_out["got"], rank_out["want"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        split = [(g, sites, sched) for g, sites, sched in zip(rank_out["graphs"], rank_out["sites"],
+                                                              rank_out["schedules"]) if g[0] == "split"]  # fmt: skip
+        by_sequences = [(sites, sched) for (_, _, after), sites, sched in split
+                        if after.get("all_reduce", 0) + after.get("all_reduce_rms_norm_split", 0) == 8]  # fmt: skip
+        # B = 2 and B = 4: a subset of one sequence at B = 2 may specialize the graph
+        assert len(by_sequences) in (1, 2) and len(split) == len(by_sequences) + 1, rank_out["report"]
+        for sites, schedule in by_sequences:
+            assert [s[2] for s in sites if s[1] == "token split"] == ["subset A", "subset B"] * 4, rank_out["report"]
+            assert uninterleaved_all_reduces(schedule) == [], schedule
+        assert "token split: left alone, a batch of one sequence" in rank_out["notes"], rank_out["report"]
+        assert not any("joined" in n for n in rank_out["notes"]), rank_out["report"]

@@ -175,7 +175,17 @@ def foreign_model_outputs(
             for g in rep.graphs
         ]
         result["calls"] = dict(compiled.calls)
+        result["schedules"] = [list(g.schedule) for g in rep.graphs]
     return result
+
+
+def foreign_cases_outputs(ctx, cases, compile_kwargs):
+    """foreign_model_outputs of each (shapes, model kwargs) case on one set of ranks, Dynamo reset between them."""
+    outs = []
+    for shapes, model_kwargs in cases:
+        torch._dynamo.reset()
+        outs.append(foreign_model_outputs(ctx, shapes, compile_kwargs, **model_kwargs))
+    return outs
 
 
 @torch.no_grad()
@@ -801,27 +811,29 @@ def dtensor_model_outputs(ctx, shapes, compile_kwargs):
     }
 
 
-def _compiled_hf_logits(model, inputs, want) -> dict:
-    """The HF model compiled by tpweave (SP forced), called by keyword: logits against `want`, and the report."""
+def _compiled_hf_logits(model, inputs, want, compile_kwargs=None) -> dict:
+    """The HF model compiled by tpweave (default: SP forced), called by keyword: logits against `want`, the report."""
     import tpweave
 
-    compiled = compile_strict(model, sp_min_tokens=0)
+    compiled = compile_strict(model, **(compile_kwargs or {"sp_min_tokens": 0}))
     got = [compiled(input_ids=ids).logits for ids in inputs]
     rep = tpweave.report(compiled)
     return {
         "want": want,
         "got": got,
         "graphs": [(g.variant, g.counts_before, g.counts_after) for g in rep.graphs],
+        "sites": [[(s.kind, s.action, s.reason) for s in g.sites] for g in rep.graphs],
+        "schedules": [list(g.schedule) for g in rep.graphs],
         "notes": list(rep.notes) + [n for g in rep.graphs for n in g.notes],
         "report": str(rep),
     }
 
 
 @torch.no_grad()
-def hf_model_outputs(ctx, arch, shapes):
+def hf_model_outputs(ctx, arch, shapes, compile_kwargs=None):
     """A Hugging Face transformers model (tiny config, random weights) sharded with torch's
     parallelize_module and the usual TP plan, called like HF models are (keyword arguments): logits of
-    the unsharded model, of the tpweave-compiled TP model (SP forced), and the compile report."""
+    the unsharded model, of the tpweave-compiled TP model (default: SP forced), and the compile report."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -855,7 +867,7 @@ def hf_model_outputs(ctx, arch, shapes):
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
-    return _compiled_hf_logits(model, inputs, want)
+    return _compiled_hf_logits(model, inputs, want, compile_kwargs)
 
 
 @torch.no_grad()

@@ -295,9 +295,9 @@ def fuse_split_all_reduce_norms(
         h_new = edit.insert(operator.getitem, (start, 1), before=anchor)
         wait_args = (y_new, h_new, x, residual, norm.weight, group_name, cfg.world_size)
         done = edit.insert(tpw.all_reduce_rms_norm_wait.default, wait_args, before=wait)
+        report.add(KIND, ar, "fused", f"{_describe(residual, norm, f'side stream, {num_sms} SMs')}, subset {'AB'[k]}")
         norm.y.replace_all_uses_with(y_new)
         h.replace_all_uses_with(h_new)
         edit.erase_unused({norm.y, *norm.chain, h, wait, ar})
         labels[start] = labels[done] = k
-        report.add(KIND, start, "fused", f"{_describe(residual, norm, 'side stream')}, subset {'AB'[k]}, {num_sms} SMs")
     return labels
