@@ -6,8 +6,9 @@ Arms (each compiled separately, strict: a pass failure fails the run):
   NCCL, torch's symm-mem one-shot and two-shot all-reduce (the candidates plain_nccl, plain_one_shot,
   plain_two_shot are all timed; plain_best is the fastest at each M), Inductor's own add + norm.
 - sp_seq: sequence parallel with plain collectives; sp_fused: SP + torch's fused AG+MM / MM+RS.
-- token_split: the plain graph as two token subsets whose NCCL all-reduces overlap the other subset's
-  compute (compiler/token_split.py), from M = 4 on (below it the plain graph).
+- token_split: the plain graph as two token subsets whose all-reduces (+ residual + RMSNorm, fused on a few SMs
+  on a side stream: CompileOptions.token_split_sms) overlap the other subset's compute (compiler/token_split.py),
+  from M = 4 on (below it the plain graph).
 - auto: tpweave as users run it (the calibrated table); auto_aa: auto compiled and captured a second
   time, the A/A control: any difference between auto and auto_aa is the harness's noise or bias.
 - compute_only: the same shards without any communication: the limit.
