@@ -275,6 +275,9 @@ def test_bad_input_errors():
     torch.testing.assert_close(tpweave.compile(linear)(x), linear(x))
     with pytest.raises(ValueError, match="no process group is initialized"):
         tpweave.compile(linear, group="tp")
+    for bad in (-1, 2000, 1.5, True):
+        with pytest.raises(ValueError, match="token_split_sms must be an integer in"):
+            tpweave.compile(linear, token_split_sms=bad)
     messages = tpweave.launch(workers.compile_errors, nprocs=2)[0]
     assert "empty batch" in messages["empty"]
     assert "sp_min_tokens must be >= 0" in messages["negative"]
