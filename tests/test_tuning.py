@@ -109,6 +109,9 @@ def test_token_split_range_from_layer_rows_and_the_plan_that_uses_it():
     with_table = plan(CompileOptions(table=table), two, None)
     assert set(with_table.variants) == {"plain", "sp", "split"} and with_table.token_split_min_tokens == 1024
     assert plan(CompileOptions(table=table, token_split_min_tokens=8), two, None).token_split_min_tokens == 8
+    # the fused side-stream all-reduce + norm: 8 SMs by default, off under Inductor's CUDA graph trees
+    assert with_table.variants["split"].token_split_sms == 8
+    assert plan(CompileOptions(table=table, cudagraphs=True), two, None).variants["split"].token_split_sms == 0
     assert "split" not in plan(CompileOptions(table=table), one, None).variants
     assert "split" not in plan(CompileOptions(table=None), two, None).variants
 

@@ -210,9 +210,9 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     if tp.world_size == 1:
         split_min = None  # one rank: nothing to overlap
     if split_min is not None:
-        variants["split"] = PassOptions(
-            False, False, token_split=True, token_split_sms=options.token_split_sms, **common
-        )
+        # the fused kernel keeps symmetric memory, which Inductor's CUDA graph trees cannot hold (as for the strategies)
+        sms = 0 if options.cudagraphs else options.token_split_sms
+        variants["split"] = PassOptions(False, False, token_split=True, token_split_sms=sms, **common)
     return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config(), split_min)
 
 
