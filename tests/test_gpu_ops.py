@@ -149,7 +149,7 @@ def test_side_stream_ar_norm_on_emulated_ranks(world_size):
             assert worst <= 6e-2, (key, worst)  # bf16 rounding, as the fused kernel's own test
 
 
-@pytest.mark.parametrize("name", ["triton_ar_norm", "triton_ar_norm_ll", "ce_overlap"])
+@pytest.mark.parametrize("name", ["triton_ar_norm", "triton_ar_norm_ll", "ce_overlap", "side_stream"])
 def test_dead_peer_stops_the_kernel_with_a_message_on_emulated_ranks(name, tmp_path):
     """A rank whose peer died inside a symmetric-memory op gets a CUDA error and a printed reason once
     the process group's timeout passed (8 s here), instead of a GPU spinning forever."""

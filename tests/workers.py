@@ -650,6 +650,12 @@ def gpu_peer_never_arrives(ctx, name, log_path):
     w = torch.ones(4096, device=ctx.device, dtype=torch.bfloat16)
     if name.startswith("triton_ar_norm"):
         call = lambda: torch.ops.tpweave.all_reduce_rms_norm(x, x, w, 1e-5, False, ctx.group_name, ctx.world_size, name)  # noqa: E731
+    elif name == "side_stream":  # the token-split graph's start / wait pair
+
+        def call():
+            ops, args = torch.ops.tpweave, (ctx.group_name, ctx.world_size)
+            y, h = ops.all_reduce_rms_norm_start(x, x, w, 1e-5, False, *args, 8)
+            ops.all_reduce_rms_norm_wait(y, h, x, x, w, *args)
     else:
         call = functools.partial(
             torch.ops.tpweave.ag_mm, x, [x.t()], [None], [64 * ctx.world_size], ctx.group_name, ctx.world_size, name
