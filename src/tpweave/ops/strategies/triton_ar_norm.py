@@ -274,6 +274,48 @@ def _fixed_grid(num_rows: int, world_size: int) -> int:
     return min(triton.next_power_of_2(max(num_rows, 1)), _max_programs(world_size))
 
 
+def _kernel_takes(x: Tensor, residual: Tensor | None, weight: Tensor, world_size: int) -> bool:
+    """Whether the fused kernels take these inputs (else the composed form runs): TP a power of 2, what the norm
+    kernel takes, a residual of x's dtype."""
+    return (
+        world_size & (world_size - 1) == 0
+        and rms_norm.triton_supported(x, weight)
+        and (residual is None or residual.dtype == x.dtype)
+    )
+
+
+def _prepare(x: Tensor, residual: Tensor | None, weight: Tensor, weight_in_fp32: bool, world_size: int):
+    """(x contiguous, its rows, y and h allocated, the kernels' five tensor arguments, their shared meta)."""
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    h = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
+    tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
+    meta = dict(
+        H=hidden,
+        BLOCK_H=rms_norm.block_h(hidden),
+        WORLD=world_size,
+        HAS_RESIDUAL=residual is not None,
+        WEIGHT_FP32=weight_in_fp32,
+        num_warps=rms_norm.num_warps_for(hidden),
+    )
+    return x, x.numel() // hidden, y, h, tensors, meta
+
+
+def _launch_two_barriers(buf, tensors: tuple, num_rows: int, eps: float, timeout_ms: int, meta: dict, programs: int):
+    """`_all_reduce_rms_norm_kernel` over buffer `buf` on the current stream, on at most `programs` programs."""
+    _all_reduce_rms_norm_kernel[(max(1, min(num_rows, programs)),)](
+        *tensors,
+        buf.handle.buffer_ptrs_dev,
+        buf.handle.signal_pad_ptrs_dev,
+        num_rows,
+        eps,
+        timeout_ms,
+        RANK=buf.handle.rank,
+        **meta,
+    )
+
+
 def _fused_all_reduce_rms_norm(
     x: Tensor,
     residual: Tensor | None,
@@ -291,45 +333,19 @@ def _fused_all_reduce_rms_norm(
     no data is due; a reader spins until none of its elements is the sentinel, then writes the
     sentinel back. Three slots used in turn: a peer can be at most one call ahead, and a slot's next
     writer (call k + 3) has seen this rank's data of calls k + 1 and k + 2, stored after the reset."""
-    hidden = x.shape[-1]
-    if (
-        world_size & (world_size - 1)
-        or not rms_norm.triton_supported(x, weight)
-        or (residual is not None and residual.dtype != x.dtype)
-    ):
+    if not _kernel_takes(x, residual, weight, world_size):
         return compose_all_reduce_rms_norm(
             sequential.all_reduce, x, residual, weight, eps, weight_in_fp32, group_name, world_size
         )
-    x = x.contiguous()
-    num_rows = x.numel() // hidden
-    h = torch.empty_like(x)
-    y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
+    x, num_rows, y, h, tensors, meta = _prepare(x, residual, weight, weight_in_fp32, world_size)
     if not num_rows:
         return y, h
-    tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
-    meta = dict(
-        H=hidden,
-        BLOCK_H=rms_norm.block_h(hidden),
-        WORLD=world_size,
-        HAS_RESIDUAL=residual is not None,
-        WEIGHT_FP32=weight_in_fp32,
-        num_warps=rms_norm.num_warps_for(hidden),
-    )
     timeout_ms = symm_buffers.wait_timeout_ms(group_name)
     if protocol == "lamport" and num_rows > LAMPORT_MAX_ROWS:
         protocol = "two_barriers"  # its buffer holds 3 x TP copies of the rows: a decode-size protocol
     if protocol == "two_barriers":
-        handle = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm").handle
-        _all_reduce_rms_norm_kernel[(min(num_rows, _max_programs(world_size)),)](
-            *tensors,
-            handle.buffer_ptrs_dev,
-            handle.signal_pad_ptrs_dev,
-            num_rows,
-            eps,
-            timeout_ms,
-            RANK=handle.rank,
-            **meta,
-        )
+        buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm")
+        _launch_two_barriers(buf, tensors, num_rows, eps, timeout_ms, meta, _max_programs(world_size))
         return y, h
     grid = _fixed_grid(num_rows, world_size)
     buf = symm_buffers.reserve(
@@ -389,34 +405,18 @@ def start_on_side_stream(
         return compose_all_reduce_rms_norm(
             sequential.all_reduce, x, residual, weight, eps, weight_in_fp32, group_name, world_size
         )
-    hidden = x.shape[-1]
-    x = x.contiguous()
-    num_rows = x.numel() // hidden
-    h = torch.empty_like(x)
-    y = torch.empty(x.shape, dtype=rms_norm.out_dtype(x, weight, weight_in_fp32), device=x.device)
+    x, num_rows, y, h, tensors, meta = _prepare(x, residual, weight, weight_in_fp32, world_size)
     if not num_rows:
         return y, h
-    tensors = (x, x if residual is None else residual.contiguous(), weight.contiguous(), h, y)
     buf = symm_buffers.reserve(group_name, x.numel(), x.dtype, x.device, tag="ar_norm_side")
     side = buf.state.get("stream")
     if side is None:
         side = buf.state["stream"] = torch.cuda.Stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))  # x, residual are written on the current stream
     with torch.cuda.stream(side):
-        _all_reduce_rms_norm_kernel[(max(1, min(num_rows, num_programs, _max_programs(world_size))),)](
-            *tensors,
-            buf.handle.buffer_ptrs_dev,
-            buf.handle.signal_pad_ptrs_dev,
-            num_rows,
-            eps,
-            symm_buffers.wait_timeout_ms(group_name),
-            H=hidden,
-            BLOCK_H=rms_norm.block_h(hidden),
-            RANK=buf.handle.rank,
-            WORLD=world_size,
-            HAS_RESIDUAL=residual is not None,
-            WEIGHT_FP32=weight_in_fp32,
-            num_warps=rms_norm.num_warps_for(hidden),
+        timeout_ms = symm_buffers.wait_timeout_ms(group_name)
+        _launch_two_barriers(
+            buf, tensors, num_rows, eps, timeout_ms, meta, min(num_programs, _max_programs(world_size))
         )
         done = torch.cuda.Event()
         done.record(side)
@@ -427,11 +427,7 @@ def start_on_side_stream(
 
 
 def _runs_on_side_stream(x: Tensor, residual: Tensor | None, weight: Tensor, world_size: int) -> bool:
-    return (
-        side_stream_supported(x.device, x.dtype, world_size)
-        and rms_norm.triton_supported(x, weight)
-        and (residual is None or residual.dtype == x.dtype)
-    )
+    return side_stream_supported(x.device, x.dtype, world_size) and _kernel_takes(x, residual, weight, world_size)
 
 
 def wait_side_stream(
