@@ -200,10 +200,11 @@ def test_kernel_categories_and_checks():
     assert categorize("_all_reduce_rms_norm_kernel") == "tpweave_ar_norm"
     assert categorize("_all_reduce_rms_norm_ll_kernel") == "tpweave_ar_norm_ll"
     # bench engine's kernel time by kind: tpweave's decode kernels and flash attention (cutlass-based) are
-    # attention, cuBLAS kernels gemm
+    # attention, cuBLAS kernels (split-K reductions too) and tpweave's GEMV gemm
     assert categorize("_decode_kernel") == categorize("_merge_kernel") == "attention"
     assert categorize("void pytorch_flash::flash_fwd_kernel<cutlass::bfloat16_t>") == "attention"
     assert categorize("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "gemm"
+    assert categorize("_gemv_kernel") == categorize("void cublasLt::splitKreduce_kernel<32, 16, int>") == "gemm"
 
 
 def test_kernel_proof_counts_every_site_at_every_m():

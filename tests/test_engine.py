@@ -219,3 +219,21 @@ def test_paged_attention_with_rope_inside_equals_rope_then_attention_on_cpu():
     assert torch.equal(k_cache[slots], k_rot)
     with pytest.raises(ValueError, match="cos_sin and positions go together"):
         torch.ops.tpweave.paged_attention(q, k, v, k_cache, v_cache, slots, cu, ctx, tables, bs, 0.25, cos_sin)
+
+
+def test_fresh_paged_attention_equals_the_gathering_path_on_cpu():
+    """fresh=True (no cached context): attention over the new K/V alone == the paged path over the cache."""
+    gen = torch.Generator().manual_seed(1)
+    lens, bs, heads, kv_heads, d = [3, 6], 4, 4, 2, 16
+    tables = torch.tensor([[5, 0], [1, 2]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 5])
+    owner = [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    slots = torch.stack([tables[b, p // bs].long() * bs + p % bs for b, p in zip(owner, positions.tolist())])
+    q, k, v = (torch.randn(9, h, d, generator=gen) for h in (heads, kv_heads, kv_heads))
+    cu, ctx = torch.tensor([0, 3, 9], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    caches = [torch.zeros(64, kv_heads, d) for _ in range(4)]
+    want = torch.ops.tpweave.paged_attention(q, k, v, *caches[:2], slots, cu, ctx, tables, bs, 0.25)
+    fresh = torch.tensor(True)
+    got = torch.ops.tpweave.paged_attention(q, k, v, *caches[2:], slots, cu, ctx, tables, bs, 0.25, None, None, fresh)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])  # the same K/V written

@@ -66,6 +66,26 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens):
     torch.testing.assert_close(k_cache[slots], k_new)
 
 
+@pytest.mark.parametrize("q_lens", [[2048], [100], [1], [37, 1, 300], [5, 2048]])
+@pytest.mark.parametrize("kv_heads", [4, 16])
+def test_fresh_paged_attention_matches_reference(q_lens, kv_heads):
+    """fresh=True (no cached context): cuDNN attention for one sequence, FA2 varlen for several, over the new K/V
+    alone; the same as the reference over the cache, and the K/V written to it."""
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = _paged_case(
+        q_lens, q_lens, kv_heads=kv_heads
+    )
+    fresh = torch.tensor(True)
+    got = torch.ops.tpweave.paged_attention(q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale,
+                                            None, None, fresh)  # fmt: skip
+    ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs, scale)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_cache[slots], k_new)
+    torch.testing.assert_close(v_cache[slots], v_new)
+    with pytest.raises(ValueError, match="fresh must be one bool on the CPU"):
+        torch.ops.tpweave.paged_attention(q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale,
+                                          None, None, fresh.cuda())  # fmt: skip
+
+
 def _cos_sin(head_dim: int, positions: int = 16384) -> torch.Tensor:
     from tpweave.models.layers import rope_inv_freq
 

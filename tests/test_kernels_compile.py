@@ -120,6 +120,21 @@ def test_rope_qk_kernel_compiles(num_q, num_k, head_dim):
     compile_for_gpu(rope._rope_qk_kernel, {**ptrs, **strides}, {**meta, "HEAD_DIM": head_dim}, num_warps=4)
 
 
+@pytest.mark.parametrize(
+    "m,n,k,silu_mul", [(1, 4096, 4096, False), (1, 4096, 14336, True), (8, 28672, 4096, False), (64, 6144, 4096, False)]
+)
+def test_gemv_kernels_compile(m, n, k, silu_mul):
+    from tpweave.ops import gemv
+
+    t = gemv.tuning_for(m, n, k, silu_mul=silu_mul)
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", M="i32", N="i32", K="i32")
+    types |= {name: "i32" for name in gemv._gemv_kernel.arg_names if name.startswith("stride_")}
+    meta = dict(SILU_MUL=silu_mul, BLOCK_M=gemv.block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+    compile_for_gpu(gemv._gemv_kernel, types, meta, num_warps=t.num_warps)
+    types = dict(x_ptr="*bf16", out_ptr="*bf16", K="i32", stride_xm="i32")
+    compile_for_gpu(gemv._silu_mul_kernel, types, dict(BLOCK=1024), num_warps=4)
+
+
 @pytest.mark.parametrize("wait", [False, True])
 def test_emulated_signal_kernel_compiles(wait):
     import emulated_ranks
@@ -145,6 +160,8 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_decode_kernel",
         "_merge_kernel",
         "_rope_qk_kernel",
+        "_gemv_kernel",
+        "_silu_mul_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):

@@ -38,7 +38,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("symm_mem", re.compile(r"multimem|symm|barrier_kernel|put_signal|wait_signal|PtoP|Peer", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|_decode_kernel|_merge_kernel", re.I)),  # ops/paged_decode.py
     ("tpweave_triton", re.compile(r"tpweave", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|sm90|nvjet|matmul", re.I)),
+    # cuBLAS (its split-K reductions included) and tpweave's GEMV (ops/gemv.py)
+    ("gemm", re.compile(r"gemm|cutlass|sm90|nvjet|matmul|splitKreduce|_gemv_kernel", re.I)),
 )
 COMM_CATEGORIES = (
     "nccl_all_reduce",

@@ -46,6 +46,9 @@ class CompileOptions:
     # each subset's all-reduce + residual + RMSNorm as one kernel on at most this many SMs on a side stream (where
     # the kernel runs: CUDA, symmetric memory, TP a power of 2); 0: the process group's all-reduce, Inductor's norm
     token_split_sms: int = 8
+    # linear layers through tpweave::linear: a one-kernel Triton GEMV at <= 16 rows on CUDA, torch's matmul above
+    # (compiler/decode_gemv.py); every arm and baseline of the benchmarks gets it alike
+    decode_gemv: bool = True
     table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY
@@ -57,7 +60,7 @@ class CompileOptions:
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
 
     def __post_init__(self) -> None:
-        for name in ("async_tp", "cudagraphs", "piecewise", "strict"):
+        for name in ("async_tp", "cudagraphs", "piecewise", "strict", "decode_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.sp is not None and not isinstance(self.sp, bool):
@@ -128,6 +131,7 @@ class PassOptions:
     cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
     token_split: bool = False  # the plain graph as two interleaved token subsets (compiler/token_split.py)
     token_split_sms: int = 0  # > 0: their all-reduce + norm fused on a side stream on this many SMs
+    decode_gemv: bool = False  # linear layers through tpweave::linear (compiler/decode_gemv.py), after the passes
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -199,8 +203,9 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     common = dict(site_policies=site_policies, cudagraph_trees=options.cudagraphs)
+    gemv = dict(decode_gemv=options.decode_gemv)  # not the SP graph: it serves M in the thousands
     variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
-                                     all_reduce_rms_norm_policy=ar_norm, **common)}  # fmt: skip
+                                     all_reduce_rms_norm_policy=ar_norm, **common, **gemv)}  # fmt: skip
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
         variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=options.ag_mm_policy,
                                      mm_rs_policy=options.mm_rs_policy, **common)  # fmt: skip
@@ -212,7 +217,7 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     if split_min is not None:
         # the fused kernel keeps symmetric memory, which Inductor's CUDA graph trees cannot hold (as for the strategies)
         sms = 0 if options.cudagraphs else options.token_split_sms
-        variants["split"] = PassOptions(False, False, token_split=True, token_split_sms=sms, **common)
+        variants["split"] = PassOptions(False, False, token_split=True, token_split_sms=sms, **common, **gemv)
     return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config(), split_min)
 
 

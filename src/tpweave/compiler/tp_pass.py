@@ -5,7 +5,8 @@ installs it.
 SP variant:    sequence_parallel -> async_tp (all-gather + matmul, matmul + reduce-scatter) ->
                reduce-scatter + residual add + RMSNorm fusion
 plain variant: all-reduce + residual add + RMSNorm fusion -> remaining all-reduces routed to their strategy
-split variant: token_split (the plain graph as two token subsets, their all-reduces interleaved)
+               -> linear layers through the decode GEMV
+split variant: token_split (the plain graph as two token subsets, their all-reduces interleaved) -> decode GEMV
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from tpweave.compiler import allreduce, allreduce_norm, async_tp, sequence_parallel, token_split
+from tpweave.compiler import allreduce, allreduce_norm, async_tp, decode_gemv, sequence_parallel, token_split
 from tpweave.compiler.graph_utils import count_collectives, dispatched_ops
 from tpweave.compiler.options import CompilePlan, PassOptions
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.tp_group import TPGroup
 from tpweave.log import logger
+from tpweave.ops import gemv
 
 
 class PassFailure(RuntimeError):
@@ -70,6 +72,8 @@ class TPWeavePass(CustomGraphPass):
         else:
             allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)
             allreduce.route_all_reduces(graph, self.tp, policy_for=policy_for, report=report)
+        if self.options.decode_gemv:
+            decode_gemv.route_linears(graph, report=report)
         graph.lint()
         report.counts_after = count_collectives(graph)
         report.dispatched = dispatched_ops(graph)
@@ -77,7 +81,7 @@ class TPWeavePass(CustomGraphPass):
     def uuid(self) -> bytes:
         """A hash of the passes' sources and of this pass's options (Inductor's cache key)."""
         h = hashlib.sha256()
-        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm, token_split):
+        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm, token_split, decode_gemv, gemv):
             h.update(inspect.getsource(mod).encode())
         h.update(repr((dataclasses.asdict(self.tp), dataclasses.asdict(self.options))).encode())
         return h.digest()

@@ -133,7 +133,8 @@ class ModelRunner:
             pos = torch.arange(num_tokens, device=dev)
             cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
             table = torch.arange(scratch // self.block_size, dtype=torch.int32, device=dev)[None]
-            self.model(ids, pos, cu, pos, cu[1:], table, self.block_size, cu[1:] - 1)
+            # fresh=False: the gathering path, the larger peak of a step of this size
+            self.model(ids, pos, cu, pos, cu[1:], table, self.block_size, cu[1:] - 1, torch.tensor(False))
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         self.model.set_kv_cache(None)
@@ -165,7 +166,8 @@ class ModelRunner:
 
     def _inputs(self, chunks: list[ScheduledChunk]) -> tuple:
         """The forward's arguments for a step of any chunks (prefill, mixed): token ids, positions, cu_seqlens,
-        KV slots, context lengths, block tables, block size, the row of each chunk's last token."""
+        KV slots, context lengths, block tables, block size, the row of each chunk's last token, and whether no
+        chunk has cached context (a CPU bool: attention over the new K/V alone)."""
         n, bs = len(chunks), self.block_size
         starts = np.fromiter((c.start for c in chunks), np.int64, n)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
@@ -187,7 +189,7 @@ class ModelRunner:
 
         ids_dev = self._fill_pending(put(ids), pending)
         return (ids_dev, put(positions), put(cu, torch.int32), put(slots), put(starts + lens, torch.int32),
-                put(tables), bs, put(cu[1:] - 1))  # fmt: skip
+                put(tables), bs, put(cu[1:] - 1), torch.tensor(bool((starts == 0).all())))  # fmt: skip
 
     def _pending(self, ids: np.ndarray, seq_of_row) -> np.ndarray | None:
         """(2, P) rows of `ids` holding PENDING and the rows of the previous step's samples they come from
@@ -234,7 +236,7 @@ class ModelRunner:
         tables = torch.full((len(lens), -(-max(lens) // bs)), self.pad_block, dtype=torch.int32, device=dev)
         positions = pos % self.model.config.max_position_embeddings
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        self.forward(ids, positions, cu, slots, cu[1:] - cu[:-1], tables, bs, cu[1:].long() - 1)
+        self.forward(ids, positions, cu, slots, cu[1:] - cu[:-1], tables, bs, cu[1:].long() - 1, torch.tensor(False))
         torch.cuda.synchronize(dev)
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
@@ -243,6 +245,7 @@ class ModelRunner:
         self._static = [t.to(dev) for t in self._decode_host_inputs([], top)]
         self._static_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self._static_rows = torch.arange(top, device=dev)  # int64, like the eager path's rows
+        self._not_fresh = torch.tensor(False)  # decode: every sequence has context
         pool = None
         with torch.no_grad():
             for bucket in sorted(buckets, reverse=True):  # largest first: workspaces sized once
@@ -269,6 +272,7 @@ class ModelRunner:
             tables,
             self.block_size,
             self._static_rows[:bucket],
+            self._not_fresh,
         )
 
     def _decode_with_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:

@@ -34,6 +34,7 @@ class KVMeta:
     context_lens: Tensor  # (B,) int32, cached + new tokens
     block_tables: Tensor  # (B, max_blocks) int32
     block_size: int
+    fresh: Tensor | None = None  # 0-dim bool on the CPU: no sequence has cached context (ops/attention.py)
 
 
 class Attention(nn.Module):
@@ -89,6 +90,7 @@ class Attention(nn.Module):
                 self.scale,
                 self.rotary.cos_sin,
                 positions_M,
+                kv.fresh,
             )
         return self.o_proj(o.view(num_tokens, self.num_heads * self.head_dim))
 
@@ -183,11 +185,12 @@ class LlamaForCausalLM(nn.Module):
         block_tables: Tensor | None = None,
         block_size: int = 0,
         logits_rows: Tensor | None = None,
+        fresh: Tensor | None = None,
     ) -> Tensor:
         """Without KV metadata: causal attention within the packed batch. With it (the engine): the
-        new tokens attend to their whole context in the paged cache. `logits_rows` picks the rows
-        whose logits are wanted (default: every token)."""
-        kv = None if slot_mapping is None else KVMeta(slot_mapping, context_lens, block_tables, block_size)
+        new tokens attend to their whole context in the paged cache (`fresh`: see KVMeta). `logits_rows`
+        picks the rows whose logits are wanted (default: every token)."""
+        kv = None if slot_mapping is None else KVMeta(slot_mapping, context_lens, block_tables, block_size, fresh)
         hidden = self.model(input_ids_M, positions_M, cu_seqlens, kv)
         if logits_rows is not None:
             hidden = hidden[logits_rows]

@@ -1,0 +1,61 @@
+"""Prefill attention of one fresh sequence (llama3-8b heads: 32 q, 8 kv, head dim 128, bf16, causal) on the paths
+ops/attention.py has: cuDNN through SDPA (kv heads repeated) and FA2 varlen. Per length: the first call (cuDNN builds
+an execution plan per shape) and the median of 20 later calls, with the TFLOP/s of the causal half.
+
+    python benchmarks/probes/prefill_attention_probe.py [--out FILE.json]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from tpweave.ops import attention
+
+LENGTHS = (512, 1000, 2048, 2049, 3001, 4096)
+
+
+def first_and_steady_ms(fn, reps: int = 20) -> tuple[float, float]:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - t) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return first, sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows = []
+    for n in LENGTHS:
+        q = torch.randn(n, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        flops = 4 * n * (n + 1) / 2 * 32 * 128
+        paths = {
+            "cudnn_sdpa": lambda: attention._fresh_attention(q, k, v, cu, 1, 128**-0.5),
+            "fa2_varlen": lambda: attention._attention_cuda(q, k, v, cu, 128**-0.5),
+        }
+        for name, fn in paths.items():
+            first, ms = first_and_steady_ms(fn)
+            rows.append(dict(path=name, tokens=n, first_call_ms=round(first, 3), ms=round(ms, 4),
+                             tflop_s=round(flops / ms / 1e9, 1)))  # fmt: skip
+            print(rows[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Linear layers through tpweave's decode-size GEMV: each matmul of the graph whose second operand is a
+weight (a 2-D tensor with contiguous rows, transposed) becomes `tpweave::linear` (ops/gemv.py), which runs a
+one-kernel Triton GEMV when the call has few rows (decode) and torch's matmul otherwise. A SiLU-gated MLP's
+activation goes into its down projection's op, where the GEMV reads silu(gate) * up itself.
+
+Before:                                         After:
+    wt = permute(w, [1, 0])
+    y = mm(x, wt)                                   y = tpweave.linear(x, w, False)
+
+    gu = mm(h, permute(w_gu, [1, 0]))               gu = tpweave.linear(h, w_gu, False)
+    gate, up = split(gu, K, -1)
+    a = mul(silu(gate), up)                         y = tpweave.linear(gu, w_down, True)
+    y = mm(a, permute(w_down, [1, 0]))
+
+silu(gate) is recognised in the forms the decompositions give it (silu, g * sigmoid(g), g / (1 + exp(-g)))
+with dtype casts around its parts. The pass runs last, after the collectives' passes, on the plain and the
+token-split graphs (the SP graph serves M in the thousands).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from tpweave.compiler.graph_utils import GraphEditor, val
+from tpweave.compiler.report import GraphReport
+
+aten = torch.ops.aten
+tpw = torch.ops.tpweave
+CAST = torch.ops.prims.convert_element_type.default
+
+
+@dataclass(frozen=True)
+class LinearMatch:
+    """mm(x, permute(weight)) of one linear layer; with silu_mul, x is the [gate | up] tensor whose halves the
+    matched mul combined as silu(gate) * up."""
+
+    mm: fx.Node
+    x: fx.Node
+    weight: fx.Node
+    silu_mul: bool
+
+
+def _uncast(node):
+    while isinstance(node, fx.Node) and node.target is CAST:
+        node = node.args[0]
+    return node
+
+
+def _weight_of(wt) -> fx.Node | None:
+    """w for wt = permute(w, [1, 0]) or t(w), w a 2-D tensor with contiguous rows (a linear layer's (N, K))."""
+    if not isinstance(wt, fx.Node):
+        return None
+    if wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]:
+        w = wt.args[0]
+    elif wt.target is aten.t.default:
+        w = wt.args[0]
+    else:
+        return None
+    v = val(w)
+    if not (isinstance(v, torch.Tensor) and v.dim() == 2 and v.stride(1) == 1 and v.stride(0) == v.shape[1]):
+        return None
+    return w
+
+
+def _silu_input(node) -> fx.Node | None:
+    """g where node computes silu(g) (in one of its decomposed forms, casts aside), else None."""
+    node = _uncast(node)
+    if not isinstance(node, fx.Node):
+        return None
+    if node.target is aten.silu.default:
+        return _uncast(node.args[0])
+    if node.target is aten.mul.Tensor:
+        for a, b in (node.args, node.args[::-1]):
+            b = _uncast(b)
+            if isinstance(b, fx.Node) and b.target is aten.sigmoid.default and _uncast(b.args[0]) is _uncast(a):
+                return _uncast(a)
+    if node.target is aten.div.Tensor:
+        g, den = _uncast(node.args[0]), _uncast(node.args[1])
+        if isinstance(den, fx.Node) and den.target is aten.add.Tensor and den.args[1] == 1:
+            e = _uncast(den.args[0])
+            if isinstance(e, fx.Node) and e.target is aten.exp.default:
+                neg = _uncast(e.args[0])
+                if isinstance(neg, fx.Node) and neg.target is aten.neg.default and _uncast(neg.args[0]) is g:
+                    return g
+    return None
+
+
+def _halves(gate, up) -> fx.Node | None:
+    """src when gate, up are the first and second halves of src (M, 2K) along its last dim, else None."""
+    if not (isinstance(gate, fx.Node) and isinstance(up, fx.Node)):
+        return None
+    if not (gate.target is up.target is operator.getitem) or gate.args[0] is not up.args[0]:
+        return None
+    if (gate.args[1], up.args[1]) != (0, 1):
+        return None
+    split = gate.args[0]
+    src = split.args[0]
+    v = val(src)
+    if not (isinstance(v, torch.Tensor) and v.dim() == 2 and v.stride(1) == 1) or not isinstance(v.shape[1], int):
+        return None
+    half = v.shape[1] // 2
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim not in (-1, 1) or v.shape[1] != 2 * half:
+        return None
+    if split.target is aten.split.Tensor and split.args[1] == half and len(split.users) == 2:
+        return src
+    if split.target is aten.split_with_sizes.default and list(split.args[1]) == [half, half]:
+        return src
+    return None
+
+
+def _gated_input(x, k: int) -> fx.Node | None:
+    """[gate | up] when x = silu(gate) * up for the two halves of one (M, 2k) tensor, else None."""
+    x = _uncast(x)
+    if not (isinstance(x, fx.Node) and x.target is aten.mul.Tensor and len(x.args) == 2):
+        return None
+    for a, b in (x.args, x.args[::-1]):
+        src = _halves(_silu_input(a), _uncast(b))
+        if src is not None and val(src).shape[1] == 2 * k:
+            return src
+    return None
+
+
+def match_linear(mm: fx.Node) -> LinearMatch | None:
+    """The linear layer at an mm node, or None (not a weight operand, or dtypes that differ)."""
+    if mm.target is not aten.mm.default:
+        return None
+    x, w = mm.args[0], _weight_of(mm.args[1])
+    if w is None or not isinstance(val(x), torch.Tensor) or val(x).dtype != val(w).dtype:
+        return None
+    gated = _gated_input(x, val(w).shape[1])
+    if gated is not None and val(gated).dtype == val(w).dtype:
+        return LinearMatch(mm, gated, w, True)
+    return LinearMatch(mm, x, w, False)
+
+
+def route_linears(graph: fx.Graph, *, report: GraphReport) -> list[LinearMatch]:
+    """Put tpweave::linear in place of every linear layer's matmul (module doc); the matches."""
+    edit = GraphEditor(graph)
+    matches = [m for n in list(graph.nodes) if (m := match_linear(n)) is not None]
+    dead: set[fx.Node] = set()
+    replaced: dict[fx.Node, fx.Node] = {}  # an earlier match's mm -> its op (a gate_up projection feeding a match)
+    for m in matches:
+        x = replaced.get(m.x, m.x)
+        node = edit.insert(tpw.linear.default, (x, m.weight, m.silu_mul), before=m.mm)
+        node.meta["val"] = m.mm.meta["val"]
+        m.mm.replace_all_uses_with(node)
+        replaced[m.mm] = node
+        dead |= {m.mm, m.mm.args[1], *(_between(m.x, m.mm.args[0]) if m.silu_mul else ())}
+    edit.erase_unused(dead)
+    if matches:
+        gated = sum(m.silu_mul for m in matches)
+        report.notes.append(
+            f"decode GEMV: {len(matches)} linear layers through tpweave::linear ({gated} with the MLP's silu * up)"
+        )
+    return matches
+
+
+def _between(src: fx.Node, out: fx.Node) -> set[fx.Node]:
+    """The nodes computing `out` from `src` (out included, src not): the fused activation's parts."""
+    found, stack = set(), [out]
+    while stack:
+        node = stack.pop()
+        if node is src or node in found or not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        found.add(node)
+        stack.extend(n for n in node.all_input_nodes if n is not src)
+    return found

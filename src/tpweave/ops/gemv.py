@@ -1,0 +1,187 @@
+"""Decode-size linear layers: y (M, N) = x (M, K) @ W (N, K)^T for a few rows M, as one Triton kernel that
+streams W once, with no split-K (cuBLAS splits K for o_proj / down_proj shapes at M = 1 and adds a reduction
+kernel per GEMM: 64 of a llama3-8b decode step's kernels).
+
+A program owns BLOCK_N output columns (rows of W) and walks the whole K: at M = 1 it accumulates
+W * x elementwise in fp32 and reduces once at the end; at 1 < M <= 16 it pads M to 16 rows for tl.dot.
+With `silu_mul`, x is (M, 2K) = [gate | up] and the input is silu(gate) * up (rounded to x's dtype once, as
+Inductor's fused kernel does); at M = 1 the GEMV reads it so, and the MLP's activation kernel goes too.
+
+`tpweave::linear` is the op the graph pass (compiler/decode_gemv.py) puts in place of a linear layer's matmul:
+the kernel at M <= MAX_ROWS (more for a long K) on CUDA, torch's matmul otherwise (a graph serves every M; the
+choice is made per call, once per CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_ROWS = 16  # the op takes the GEMV up to this many rows, cuBLAS beyond
+# ... and up to this many for a long K (>= LONG_K), where cuBLAS splits K up to 64 rows (llama3-8b's down_proj at
+# M = 64: 32.9 vs 34.9 us; benchmarks/results/2026-12-02/probes/gemv-probe-m32-64-1xH200.json)
+MAX_ROWS_LONG_K, LONG_K = 64, 8192
+KERNEL_MAX_ROWS = 128  # what the kernel itself takes (rows padded to a power of 2 >= 16 for tl.dot)
+
+
+@dataclass(frozen=True)
+class GemvTuning:
+    """Launch parameters of one call: block_n columns per program, block_k of K per iteration."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tuning_for(m: int, n: int, k: int, *, silu_mul: bool = False) -> GemvTuning:
+    """Launch parameters for these sizes: the best settings of benchmarks/probes/gemv_probe.py on one H200
+    (llama3-8b shapes, benchmarks/results/2026-12-02/probes/gemv-probe-1xH200.json) as a rule of N and K."""
+    if m == 1:
+        if k >= 8192:
+            return GemvTuning(block_n=8 if silu_mul else 16, block_k=1024, num_warps=4, num_stages=3)
+        if n <= 8192:
+            return GemvTuning(block_n=8, block_k=512, num_warps=4, num_stages=3)
+        return GemvTuning(block_n=16, block_k=256, num_warps=4, num_stages=2)
+    if m > 16:
+        return GemvTuning(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    if n >= 16384:
+        return GemvTuning(block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if k >= 8192 or n <= 4096:
+        return GemvTuning(block_n=32, block_k=512, num_warps=4, num_stages=4)
+    return GemvTuning(block_n=64, block_k=256, num_warps=4, num_stages=4)
+
+
+def supported(x_MK: Tensor, w_NK: Tensor, *, max_rows: int | None = None) -> bool:
+    """Whether the kernel takes these inputs: CUDA fp16/bf16, same dtypes, W's rows contiguous, M <= max_rows
+    (None: MAX_ROWS, or MAX_ROWS_LONG_K for a K >= LONG_K)."""
+    if max_rows is None:
+        max_rows = MAX_ROWS_LONG_K if w_NK.shape[-1] >= LONG_K else MAX_ROWS
+    return (
+        triton is not None
+        and x_MK.is_cuda
+        and x_MK.dim() == 2
+        and w_NK.dim() == 2
+        and x_MK.dtype in (torch.float16, torch.bfloat16)
+        and w_NK.dtype == x_MK.dtype
+        and w_NK.stride(1) == 1
+        and x_MK.stride(-1) == 1
+        and 0 < x_MK.shape[0] <= min(max_rows, KERNEL_MAX_ROWS)
+    )
+
+
+def block_m(m: int) -> int:
+    """The kernel's row block for m rows: 1 (the elementwise path), else a power of 2 >= 16 (tl.dot)."""
+    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
+
+
+def silu_and_mul(x_M2K: Tensor) -> Tensor:
+    """silu(gate) * up of x = [gate | up] (M, 2K), computed in fp32 and rounded once to x's dtype (as Inductor's
+    fused kernel does): one Triton kernel on CUDA, the torch form elsewhere."""
+    m, k = x_M2K.shape[0], x_M2K.shape[1] // 2
+    if triton is None or not x_M2K.is_cuda or x_M2K.stride(-1) != 1:
+        gate, up = x_M2K.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x_M2K.dtype)
+    out = torch.empty(m, k, dtype=x_M2K.dtype, device=x_M2K.device)
+    if m:
+        _silu_mul_kernel[(m, triton.cdiv(k, 1024))](x_M2K, out, k, x_M2K.stride(0), BLOCK=1024, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _activation(x_ptrs, mask, k, SILU_MUL: tl.constexpr):
+        """x's tile at x_ptrs, or silu(gate) * up of the [gate | up] row (up k columns on), in x's dtype."""
+        if SILU_MUL:
+            gate = tl.load(x_ptrs, mask=mask, other=0.0)
+            up = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
+            g = gate.to(tl.float32)
+            return (g * tl.sigmoid(g) * up).to(gate.dtype)
+        return tl.load(x_ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, BLOCK: tl.constexpr):
+        m = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        x = _activation(x_ptr + m * stride_xm + cols, cols < K, K, True)
+        tl.store(out_ptr + m * K + cols, x, mask=cols < K)
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+        SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < K
+                w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                x = _activation(x_ptr + kk, k_ok, K, SILU_MUL)
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            y = tl.sum(acc, axis=1)
+            tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+        else:
+            rows = tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < K
+                w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                            other=0.0)  # fmt: skip
+                acc = tl.dot(x, tl.trans(w), acc)
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def gemv(x_MK: Tensor, w_NK: Tensor, *, silu_mul: bool = False, tuning: GemvTuning | None = None) -> Tensor:
+    """x @ W^T (silu(gate) * up @ W^T with silu_mul, x = [gate | up]) in x's dtype, by the Triton kernel; the
+    inputs must be `supported`. The activation is read inside the GEMV at M = 1, by its own kernel above."""
+    assert supported(x_MK, w_NK, max_rows=KERNEL_MAX_ROWS), "gemv: unsupported inputs (check supported() first)"
+    if silu_mul and x_MK.shape[0] > 1:  # tl.dot of a computed operand measured slower than a separate kernel
+        x_MK, silu_mul = silu_and_mul(x_MK), False
+    m, n = x_MK.shape[0], w_NK.shape[0]
+    k = x_MK.shape[1] // 2 if silu_mul else x_MK.shape[1]
+    if w_NK.shape[1] != k:
+        raise ValueError(f"gemv: x has {x_MK.shape[1]} columns, W has {w_NK.shape[1]} (silu_mul={silu_mul})")
+    t = tuning or tuning_for(m, n, k, silu_mul=silu_mul)
+    y = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
+    _gemv_kernel[(triton.cdiv(n, t.block_n),)](
+        x_MK, w_NK, y, m, n, k, x_MK.stride(0), w_NK.stride(0), y.stride(0),
+        SILU_MUL=silu_mul, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return y
+
+
+@torch.library.custom_op("tpweave::linear", mutates_args=())
+def linear(x_MK: Tensor, w_NK: Tensor, silu_mul: bool = False) -> Tensor:
+    """x @ W^T for a linear layer's weight W (N, K) (compiler/decode_gemv.py puts it in place of the graph's
+    matmuls); with silu_mul, x (M, 2K) = [gate | up] and the input is silu(gate) * up. At most MAX_ROWS rows on
+    CUDA (MAX_ROWS_LONG_K for a long K): the GEMV kernel; otherwise torch's matmul (cuBLAS), after silu_and_mul's
+    kernel with silu_mul."""
+    if supported(x_MK, w_NK):
+        return gemv(x_MK, w_NK, silu_mul=silu_mul)
+    if silu_mul:
+        x_MK = silu_and_mul(x_MK)
+    return x_MK @ w_NK.t()
+
+
+@linear.register_fake
+def _(x_MK, w_NK, silu_mul=False):
+    return x_MK.new_empty(x_MK.shape[0], w_NK.shape[0])

@@ -1,0 +1,67 @@
+"""GPU: the decode-size GEMV (ops/gemv.py) against an fp32 matmul, eager and inside a CUDA graph, and the
+compiled model with the pass that routes linear layers through it (compiler/decode_gemv.py)."""
+
+import pytest
+import torch
+
+import tpweave
+from tpweave.models import build_model
+from tpweave.ops import gemv
+from tpweave.runtime.context import TPContext
+
+pytestmark = pytest.mark.gpu(gpus=1)
+
+
+def _check(y, x, w, silu_mul):
+    x32 = gemv.silu_and_mul(x).float() if silu_mul else x.float()
+    want = x32 @ w.float().t()
+    # bf16 output rounding (and the fp32 sum's order): within 2 ulps of the largest value
+    torch.testing.assert_close(y.float(), want, atol=2 * 2**-8 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (200, 1000), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40, 64, 65])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_linear_op_matches_fp32_matmul(m, n, k, silu_mul):
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) / k**0.5
+    x = torch.randn(m, 2 * k if silu_mul else k, device="cuda", generator=gen).to(torch.bfloat16)
+    y = torch.ops.tpweave.linear(x, w, silu_mul)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, x, w, silu_mul)
+    if not gemv.supported(x, w):  # torch's matmul above the op's row limit: exactly cuBLAS's result
+        torch.testing.assert_close(y, (gemv.silu_and_mul(x) if silu_mul else x) @ w.t(), atol=0, rtol=0)
+
+
+def test_gemv_rows_of_a_larger_tensor_and_cuda_graph_replay():
+    """x a row slice of a larger tensor (the token split's subsets), then replays of a captured call on new data."""
+    w = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(10, 2 * 768, device="cuda", dtype=torch.bfloat16)
+    x = big[3:6]
+    assert gemv.supported(x, w)
+    _check(gemv.gemv(x, w, silu_mul=True), x, w, True)
+    static = torch.randn(1, 768, device="cuda", dtype=torch.bfloat16)
+    gemv.gemv(static, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.gemv(static, w)
+    for _ in range(3):
+        static.copy_(torch.randn_like(static))
+        graph.replay()
+        _check(out, static, w, False)
+
+
+def test_compiled_model_with_decode_gemv_matches_cublas():
+    """tiny preset (bf16): the compiled model with its linear layers through the GEMV gives the logits of the
+    compiled model without it, at M = 1, 5, 16 (GEMV) and 40 (cuBLAS in both)."""
+    model = build_model("tiny", tp=TPContext.single("cuda"), dtype=torch.bfloat16, num_layers=2)
+    with_gemv = tpweave.compile(model, decode_gemv=True)
+    without = tpweave.compile(model, decode_gemv=False)
+    for m in (1, 5, 16, 40):
+        ids = torch.randint(0, 1000, (m,), device="cuda")
+        pos = torch.arange(m, device="cuda")
+        cu = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+        got, want = with_gemv(ids, pos, cu), without(ids, pos, cu)
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05 * want.abs().max().item(), rtol=0)
+    notes = [n for g in with_gemv.compile_report.graphs for n in g.notes if n.startswith("decode GEMV")]
+    assert notes and all("9 linear layers" in n and "(2 with the MLP's silu * up)" in n for n in notes), notes
