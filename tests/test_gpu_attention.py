@@ -69,7 +69,7 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens):
 @pytest.mark.parametrize("q_lens", [[2048], [100], [1], [37, 1, 300], [5, 2048]])
 @pytest.mark.parametrize("kv_heads", [4, 16])
 def test_fresh_paged_attention_matches_reference(q_lens, kv_heads):
-    """fresh=True (no cached context): cuDNN attention for one sequence, FA2 varlen for several, over the new K/V
+    """fresh=True (no cached context): FA2 varlen over the new K/V
     alone; the same as the reference over the cache, and the K/V written to it."""
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = _paged_case(
         q_lens, q_lens, kv_heads=kv_heads

@@ -40,6 +40,10 @@ class GraphReport:
     dispatched: list[tuple[str, str]] = field(default_factory=list)
     # token split: the matmuls, all-reduce starts and waits in graph order, each with its subset ("mm A", ...)
     schedule: list[str] = field(default_factory=list)
+    # decode GEMV (compiler/decode_gemv.py): linear layers routed through tpweave::linear, and how many of them read
+    # the gated MLP's silu(gate) * up themselves
+    linears: int = 0
+    gated_linears: int = 0
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
         """Record what became of the collective at `node` (shape, dtype and bytes per token row read from its fake
@@ -71,6 +75,8 @@ class GraphReport:
             "sites": [dataclasses.asdict(s) for s in self.sites],
             "notes": list(self.notes),
             "schedule": list(self.schedule),
+            "linears": self.linears,
+            "gated_linears": self.gated_linears,
         }
 
     def __str__(self) -> str:
@@ -78,6 +84,8 @@ class GraphReport:
         if self.gathered_bytes_per_token:
             lines.append(f"  all-gathered bytes per token: {self.gathered_bytes_per_token}")
         lines += [f"  {s}" for s in self.sites]
+        if self.linears:
+            lines.append(f"  decode GEMV: {self.linears} linear layers ({self.gated_linears} reading silu(gate) * up)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

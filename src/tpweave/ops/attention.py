@@ -97,7 +97,7 @@ def paged_attention(
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
     if fresh is not None and bool(fresh):
-        return _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, num_seqs, scale)
+        return _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
     if paged_decode.supported(q_MHD, k_cache):
         return _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
     return _paged_attention_reference(
@@ -105,23 +105,13 @@ def paged_attention(
     )
 
 
-def _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, num_seqs, scale):
-    """Causal attention of sequences that are all new (no cached context). One sequence on CUDA: cuDNN's fused
-    attention through SDPA (dense, causal; kv heads repeated for GQA), which measured 424-563 TFLOP/s on H200
-    prefill where FA2 varlen measured 211-303; several: FA2 varlen over the packed batch; elsewhere the reference."""
+def _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale):
+    """Causal attention of sequences that are all new (no cached context): FA2 varlen over the packed batch on
+    CUDA, the reference elsewhere. (cuDNN's attention, through SDPA, builds an execution plan per shape: 50 ms to
+    1 s on the first call of each prompt length, benchmarks/results/2026-12-02/probes/prefill-attention-*.)"""
     if not (q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16)):
         return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
-    if num_seqs > 1:
-        return _attention_cuda(q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens_q, scale)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    group = q_MHD.shape[1] // k_MKD.shape[1]
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_MHD, k_MKD, v_MKD))  # (1, heads, M, D)
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return o.squeeze(0).transpose(0, 1).contiguous()
+    return _attention_cuda(q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens_q, scale)
 
 
 def _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale):
