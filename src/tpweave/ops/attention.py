@@ -107,8 +107,9 @@ def paged_attention(
 
 def _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale):
     """Causal attention of sequences that are all new (no cached context): FA2 varlen over the packed batch on
-    CUDA, the reference elsewhere. (cuDNN's attention, through SDPA, builds an execution plan per shape: 50 ms to
-    1 s on the first call of each prompt length, benchmarks/results/2026-12-02/probes/prefill-attention-*.)"""
+    CUDA, the reference elsewhere. (cuDNN's attention, through SDPA, is faster per call but builds an execution plan
+    per shape: 38-73 ms on the first call of each new prompt length; benchmarks/results/2026-12-02/probes/
+    prefill-attention-probe-1xH200.log.)"""
     if not (q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16)):
         return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
     return _attention_cuda(q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens_q, scale)
