@@ -189,6 +189,11 @@ def test_decode_buckets_and_padded_graph_inputs():
     assert ids.tolist() == [5, 8, 0, 0] and pos.tolist() == [4, 1, 0, 0] and ctx_lens.tolist() == [5, 2, 1, 1]
     assert slots.tolist() == [slot_of([3, 5], 4, 4), slot_of([0], 1, 4), 8 * 4, 8 * 4]  # pad rows write the pad block
     assert tables.shape == (4, 8) and tables[0, :2].tolist() == [3, 5] and (tables[2:] == 8).all()
+    # prefill / mixed steps: `fresh` (the last argument, a CPU bool) only when no chunk has cached context
+    fresh = runner._inputs([ScheduledChunk(seqs[0], 0, 5), ScheduledChunk(seqs[1], 0, 2)])[-1]
+    assert fresh.device.type == "cpu" and bool(fresh)
+    for chunks in ([ScheduledChunk(seqs[0], 0, 5), ScheduledChunk(seqs[1], 1, 1)], [ScheduledChunk(seqs[0], 2, 3)]):
+        assert not bool(runner._inputs(chunks)[-1])
 
 
 def test_paged_attention_with_rope_inside_equals_rope_then_attention_on_cpu():
