@@ -3,7 +3,7 @@ streams W once, with no split-K (cuBLAS splits K for o_proj / down_proj shapes a
 kernel per GEMM: 64 of a llama3-8b decode step's kernels).
 
 A program owns BLOCK_N output columns (rows of W) and walks the whole K: at M = 1 it accumulates
-W * x elementwise in fp32 and reduces once at the end; at 1 < M <= 16 it pads M to 16 rows for tl.dot.
+W * x elementwise in fp32 and reduces once at the end; above, it pads M to a power of 2 >= 16 for tl.dot.
 With `silu_mul`, x is (M, 2K) = [gate | up] and the input is silu(gate) * up (rounded to x's dtype once, as
 Inductor's fused kernel does); at M = 1 the GEMV reads it so, and the MLP's activation kernel goes too.
 
