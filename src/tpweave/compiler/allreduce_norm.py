@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from tpweave.compiler.graph_utils import (
     COLLECTIVE_TARGETS,
+    CONVERT,
     GraphEditor,
     all_reduce_waits,
     aten,
@@ -34,7 +35,6 @@ from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 from tpweave.ops.strategies import has_own
 
-CONVERT = torch.ops.prims.convert_element_type.default
 COLLECTIVE_OPS = set(COLLECTIVE_TARGETS.values()) | {funcol.wait_tensor.default}
 KIND = "all_reduce_rms_norm"
 

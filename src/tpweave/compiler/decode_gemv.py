@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import GraphEditor, val
+from tpweave.compiler.graph_utils import CONVERT, GraphEditor, val
 from tpweave.compiler.report import GraphReport
 
 aten = torch.ops.aten
 tpw = torch.ops.tpweave
-CAST = torch.ops.prims.convert_element_type.default
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class LinearMatch:
 
 
 def _uncast(node):
-    while isinstance(node, fx.Node) and node.target is CAST:
+    while isinstance(node, fx.Node) and node.target is CONVERT:
         node = node.args[0]
     return node
 
@@ -106,7 +105,7 @@ def _halves(gate, up) -> fx.Node | None:
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if dim not in (-1, 1) or v.shape[1] != 2 * half:
         return None
-    if split.target is aten.split.Tensor and split.args[1] == half and len(split.users) == 2:
+    if split.target is aten.split.Tensor and split.args[1] == half:
         return src
     if split.target is aten.split_with_sizes.default and list(split.args[1]) == [half, half]:
         return src

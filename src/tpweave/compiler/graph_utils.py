@@ -16,10 +16,11 @@ aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 tpw = torch.ops.tpweave
 
+CONVERT = torch.ops.prims.convert_element_type.default
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 # Ops whose output has the input's shape, element for element (casts, copies, aliases)
 SAME_SHAPE_OPS = {
-    torch.ops.prims.convert_element_type.default,
+    CONVERT,
     aten.clone.default,
     aten._to_copy.default,
     aten.alias.default,
