@@ -69,7 +69,9 @@ def test_pass_routes_linears_and_fuses_gated_mlps(style, fused, dtype):
     routed = _routed(compiled)
     # up and down routed (the biased proj is an addmm, left alone); the gated activation fused where recognised
     assert len(routed) >= 2 and set(routed) == {(2, fused)}, routed
-    assert f"decode GEMV: 2 linear layers ({fused} reading silu(gate) * up)" in str(compiled.compile_report.graphs[0])
+    assert f"decode GEMV: 2 linear layers ({fused} reading silu(gate) * up, 0 taking" in str(
+        compiled.compile_report.graphs[0]
+    )
 
 
 def test_pass_off_leaves_the_matmuls():
@@ -106,3 +108,118 @@ def test_training_compile_gradients_equal_eager():
     for n, p in module.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-5)
     assert (compiled.compile_report.graphs[0].linears, compiled.compile_report.graphs[0].gated_linears) == (2, 1)
+
+
+class ResidualNormLinear(nn.Module):
+    """h = x + r -> RMSNorm (in a model's style) -> a linear layer, and h read again after it (the residual
+    stream). "two_readers": the norm's output feeds two linear layers (separate q and k projections)."""
+
+    def __init__(self, style: str, hidden: int = 64, out: int = 48):
+        super().__init__()
+        self.style = style
+        self.w = nn.Parameter(torch.randn(hidden) * 0.1 + (0.0 if style == "gemma" else 1.0))
+        self.lin = nn.Linear(hidden, out, bias=False)
+        self.lin2 = nn.Linear(hidden, out, bias=False)
+
+    def norm(self, h):
+        if self.style == "f_rms_norm":
+            return F.rms_norm(h, (h.shape[-1],), self.w, eps=1e-5)
+        h32 = h.float()
+        n32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.style == "gemma":
+            return (n32 * (1.0 + self.w.float())).to(h.dtype)
+        return self.w * n32.to(h.dtype)  # HF Llama
+
+    def forward(self, x, r):
+        h = x + r
+        y = self.norm(h)
+        q = self.lin(y)
+        if self.style == "two_readers":
+            q = q + self.lin2(y)
+        return q, h * 2
+
+
+def _normed(compiled):
+    return [g.norm_linears for g in compiled.compile_report.graphs]
+
+
+@pytest.mark.parametrize("style,fused", [("llama", 1), ("gemma", 1), ("f_rms_norm", 1), ("two_readers", 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_and_linear_become_one_op(style, fused, dtype):
+    """The add + RMSNorm read by one linear layer alone becomes tpweave::rms_norm_linear (both of its outputs
+    used: the projection, and the residual stream after it); numbers against eager at M = 1, 3, 20. (Inference: a
+    training graph saves the norm's intermediates for the backward, and the norm stays.)"""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = ResidualNormLinear(style).to(dtype).requires_grad_(False)
+    compiled = tpweave.compile(module)
+    for m in (1, 3, 20):
+        x, r = torch.randn(m, 64, dtype=dtype), torch.randn(m, 64, dtype=dtype)
+        (q, h), (want_q, want_h) = compiled(x, r), module(x, r)
+        torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+        atol = 1e-5 if dtype == torch.float32 else 2 * 2**-8 * want_q.abs().max().item()
+        torch.testing.assert_close(q, want_q, rtol=0, atol=atol)
+    assert set(_normed(compiled)) == {fused}, _normed(compiled)
+    assert set(_routed(compiled)) == {(1 if style != "two_readers" else 2, 0)}
+
+
+def test_norm_without_residual_add_is_left_alone():
+    """No add before the norm (a first layer's input norm): the linear layer is routed, the norm stays Inductor's."""
+
+    class NoAdd(ResidualNormLinear):
+        def forward(self, x, r):
+            return self.lin(self.norm(x)) + r[:, :48]
+
+    torch._dynamo.reset()
+    module = NoAdd("llama").requires_grad_(False)
+    compiled = tpweave.compile(module)
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    torch.testing.assert_close(compiled(x, r), module(x, r), rtol=1e-5, atol=1e-5)
+    assert set(_normed(compiled)) == {0} and set(_routed(compiled)) == {(1, 0)}
+
+
+def test_rms_norm_linear_op_on_cpu():
+    """The op's CPU path: the add + norm reference, then the matmul; h = s + residual."""
+    s, r = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(2, 16, dtype=torch.bfloat16)
+    g, w = torch.rand(16, dtype=torch.bfloat16) + 0.5, torch.randn(8, 16, dtype=torch.bfloat16)
+    y, h = torch.ops.tpweave.rms_norm_linear(s, r, g, w, 1e-6, False)
+    from tpweave.ops import rms_norm
+
+    ny, nh = rms_norm.add_rms_norm_reference(s, r, g, eps=1e-6, weight_in_fp32=False)
+    torch.testing.assert_close(h, nh, rtol=0, atol=0)
+    torch.testing.assert_close(y, ny @ w.t(), rtol=0, atol=0)
+
+
+def test_chained_residual_norms_read_the_previous_ops_sum(monkeypatch):
+    """Two residual add + norm + linear blocks in a row: the second op's residual is the first op's h, and no add is
+    left in the graph (a stale reference to the first add would keep a second copy of the sum)."""
+    from tpweave.compiler import decode_gemv
+
+    graphs = []
+
+    def keep(graph, *, report):
+        out = route(graph, report=report)
+        graphs.append(graph)
+        return out
+
+    route = decode_gemv.route_linears
+    monkeypatch.setattr(decode_gemv, "route_linears", keep)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = ResidualNormLinear("llama", out=64), ResidualNormLinear("llama", out=64)
+
+        def forward(self, x, r):
+            h1 = x + r
+            h2 = h1 + self.a.lin(self.a.norm(h1))
+            return h2 + self.b.lin(self.b.norm(h2))
+
+    torch._dynamo.reset()
+    module = Two().requires_grad_(False)
+    compiled = tpweave.compile(module)
+    x, r = torch.randn(1, 64), torch.randn(1, 64)
+    torch.testing.assert_close(compiled(x, r), module(x, r), rtol=1e-5, atol=1e-5)
+    assert set(_normed(compiled)) == {2}
+    adds = [n for n in graphs[0].nodes if n.target is torch.ops.aten.add.Tensor and len(n.all_input_nodes) == 2]
+    assert len(adds) == 1, str(graphs[0])  # the last add; h1 and h2 are the ops' second outputs

@@ -63,5 +63,42 @@ def test_compiled_model_with_decode_gemv_matches_cublas():
         cu = torch.tensor([0, m], dtype=torch.int32, device="cuda")
         got, want = with_gemv(ids, pos, cu), without(ids, pos, cu)
         torch.testing.assert_close(got.float(), want.float(), atol=0.05 * want.abs().max().item(), rtol=0)
-    routed = [(g.linears, g.gated_linears) for g in with_gemv.compile_report.graphs]
-    assert routed and set(routed) == {(9, 2)}, routed
+    routed = [(g.linears, g.gated_linears, g.norm_linears) for g in with_gemv.compile_report.graphs]
+    # 2 layers x (qkv, o, gate_up, down) + the LM head; every norm after a residual add goes into the projection
+    # after it (qkv, gate_up, the LM head), all but the first layer's input norm
+    assert routed and set(routed) == {(9, 2, 4)}, routed
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("weight_in_fp32", [False, True])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (200, 1000)])
+def test_rms_norm_linear_op_matches_norm_then_fp32_matmul(m, n, k, weight_in_fp32):
+    """One row: the GEMV that normalizes as it reads; more rows: the add + norm kernel, then the GEMV. h exact,
+    y within the rounding of the normalized row the fused kernel skips (and the output's)."""
+    from tpweave.ops import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(n + m)
+    s, r = (torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    g = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.float32 if weight_in_fp32 else torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    y, h = torch.ops.tpweave.rms_norm_linear(s, r, g, w, 1e-5, weight_in_fp32)
+    ny, nh = rms_norm.add_rms_norm_reference(s, r, g, eps=1e-5, weight_in_fp32=weight_in_fp32)
+    torch.testing.assert_close(h, nh, rtol=0, atol=0)
+    want = ny.float() @ w.float().t()
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, atol=3 * 2**-8 * want.abs().max().item(), rtol=0)
+
+
+def test_rms_norm_gemv_in_a_cuda_graph_on_new_data():
+    s, r = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(1, 4096, device="cuda").bfloat16()
+    g, w = torch.rand(4096, device="cuda").bfloat16() + 0.5, torch.randn(512, 4096, device="cuda").bfloat16() / 64
+    gemv.norm_gemv(s, r, g, w, eps=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, h = gemv.norm_gemv(s, r, g, w, eps=1e-6)
+    for _ in range(3):
+        s.copy_(torch.randn_like(s))
+        graph.replay()
+        torch.testing.assert_close(h, s + r, rtol=0, atol=0)
+        want = torch.nn.functional.rms_norm((s + r).float(), (4096,), g.float(), eps=1e-6) @ w.float().t()
+        torch.testing.assert_close(y.float(), want, atol=3 * 2**-8 * want.abs().max().item(), rtol=0)

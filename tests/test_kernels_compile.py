@@ -102,12 +102,13 @@ def test_paged_decode_kernels_compile(group, head_dim, split):
     strides = {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     tuning = paged_decode.DEFAULT_TUNING
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
-    meta.update(BLOCK=tuning.block_n, SPLIT=split)
-    compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
+    meta.update(BLOCK=tuning.block_n, SPLIT=split, PDL=split)
+    ptx = compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
+    assert ("griddepcontrol.wait" in ptx) == split
     merge = paged_decode._merge_kernel
     strides = {name: "i32" for name in merge.arg_names if name.startswith("stride_")}
     types = dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32", **strides)
-    compile_for_gpu(merge, types, dict(SPLITS_PAD=8, HEAD_DIM=head_dim), num_warps=4)
+    compile_for_gpu(merge, types, dict(SPLITS_PAD=8, HEAD_DIM=head_dim, PDL=True), num_warps=4)
 
 
 @pytest.mark.parametrize("num_q,num_k,head_dim", [(32, 8, 128), (5, 1, 64)])
@@ -117,7 +118,9 @@ def test_rope_qk_kernel_compiles(num_q, num_k, head_dim):
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64")
     strides = {name: "i32" for name in rope._rope_qk_kernel.arg_names if name.startswith("stride_")}
     meta = dict(NUM_Q=num_q, NUM_K=num_k, Q_PAD=triton.next_power_of_2(num_q), K_PAD=triton.next_power_of_2(num_k))
-    compile_for_gpu(rope._rope_qk_kernel, {**ptrs, **strides}, {**meta, "HEAD_DIM": head_dim}, num_warps=4)
+    meta |= dict(HEAD_DIM=head_dim, PDL=True)
+    ptx = compile_for_gpu(rope._rope_qk_kernel, {**ptrs, **strides}, meta, num_warps=4)
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
 @pytest.mark.parametrize(
@@ -127,12 +130,16 @@ def test_gemv_kernels_compile(m, n, k, silu_mul):
     from tpweave.ops import gemv
 
     t = gemv.tuning_for(m, n, k, silu_mul=silu_mul)
-    types = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", M="i32", N="i32", K="i32")
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", M="i32", N="i32", K="i32", eps="fp32")
+    types |= dict(r_ptr="*bf16", g_ptr="*bf16", h_ptr="*bf16")
     types |= {name: "i32" for name in gemv._gemv_kernel.arg_names if name.startswith("stride_")}
-    meta = dict(SILU_MUL=silu_mul, BLOCK_M=gemv.block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k)
-    compile_for_gpu(gemv._gemv_kernel, types, meta, num_warps=t.num_warps)
+    pdl = m == 1  # with and without PDL (ops/pdl.py)
+    for norm in (False, True) if m == 1 and not silu_mul else (False,):
+        meta = dict(SILU_MUL=silu_mul, NORM=norm, BLOCK_M=gemv.block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+        ptx = compile_for_gpu(gemv._gemv_kernel, types, {**meta, "PDL": pdl}, num_warps=t.num_warps)
+        assert ("griddepcontrol.wait" in ptx) == pdl
     types = dict(x_ptr="*bf16", out_ptr="*bf16", K="i32", stride_xm="i32")
-    compile_for_gpu(gemv._silu_mul_kernel, types, dict(BLOCK=1024), num_warps=4)
+    compile_for_gpu(gemv._silu_mul_kernel, types, dict(BLOCK=1024, PDL=pdl), num_warps=4)
 
 
 @pytest.mark.parametrize("wait", [False, True])

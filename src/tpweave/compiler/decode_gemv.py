@@ -12,9 +12,17 @@ Before:                                         After:
     a = mul(silu(gate), up)                         y = tpweave.linear(gu, w_down, True)
     y = mm(a, permute(w_down, [1, 0]))
 
+    h = add(s, residual)                            qh = tpweave.rms_norm_linear(s, residual, g, w, eps, ...)
+    y = rms_norm(h, g, eps)      (its ATen ops)     q = getitem(qh, 0)
+    q = mm(y, permute(w, [1, 0]))                   h = getitem(qh, 1)      (h's other users read this one)
+
 silu(gate) is recognised in the forms the decompositions give it (silu, g * sigmoid(g), g / (1 + exp(-g)))
-with dtype casts around its parts. The pass runs last, after the collectives' passes, on the plain and the
-token-split graphs (the SP graph serves M in the thousands).
+with dtype casts around its parts; the RMSNorm in the forms compiler/allreduce_norm.py matches, when its output is
+read by one linear layer alone (a fused QKV or gate_up projection) and the residual stream is not read before it.
+At one row the op is one GEMV kernel that normalizes as it reads (ops/gemv.py: norm_gemv), which takes the
+norm's kernel out of each decode step; above, the add + norm kernel and `linear`. The pass runs last, after the
+collectives' passes (an all-reduce + norm they fused is no longer an add here), on the plain and the token-split
+graphs (the SP graph serves M in the thousands).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.graph_utils import CONVERT, GraphEditor, val
+from tpweave.compiler.allreduce_norm import NoMatch, RMSNormMatch, match_rms_norm
+from tpweave.compiler.graph_utils import CONVERT, GraphEditor, is_tensor_node, val
 from tpweave.compiler.report import GraphReport
 
 aten = torch.ops.aten
@@ -137,11 +146,63 @@ def match_linear(mm: fx.Node) -> LinearMatch | None:
     return LinearMatch(mm, x, w, False)
 
 
+@dataclass(frozen=True)
+class NormLinearMatch:
+    """h = add(s, residual) -> RMSNorm -> y, and y read by one linear layer alone (not a gated one)."""
+
+    h: fx.Node
+    s: fx.Node
+    residual: fx.Node
+    norm: RMSNormMatch
+    linear: LinearMatch
+
+
+def match_norm_linear(h: fx.Node, order: dict[fx.Node, int]) -> NormLinearMatch | None:
+    """The residual add + RMSNorm + linear layer from the add at h, or None. order: the graph's node positions."""
+    if h.op != "call_function" or h.target is not aten.add.Tensor or len(h.args) != 2 or h.kwargs:
+        return None
+    s, residual = h.args
+    if not (is_tensor_node(s) and is_tensor_node(residual)) or val(h).dim() != 2:
+        return None
+    if any(val(t).shape != val(h).shape or val(t).dtype != val(h).dtype for t in (s, residual)):
+        return None
+    try:
+        norm = match_rms_norm(h)
+    except NoMatch:
+        return None
+    if len(norm.y.users) != 1 or val(norm.y).dtype != val(h).dtype:
+        return None
+    linear = match_linear(next(iter(norm.y.users)))
+    if linear is None or linear.silu_mul or linear.x is not norm.y:
+        return None
+    if any(u not in norm.chain and order[u] < order[norm.y] for u in h.users):
+        return None  # the residual stream is read before the norm's output: h must exist earlier
+    return NormLinearMatch(h, s, residual, norm, linear)
+
+
 def route_linears(graph: fx.Graph, *, report: GraphReport) -> list[LinearMatch]:
-    """Put tpweave::linear in place of every linear layer's matmul (module doc); the matches."""
+    """Put tpweave::linear in place of every linear layer's matmul, and tpweave::rms_norm_linear in place of a
+    residual add + RMSNorm + linear layer (module doc); the linear layers' matches."""
     edit = GraphEditor(graph)
-    matches = [m for n in list(graph.nodes) if (m := match_linear(n)) is not None]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    normed = [m for n in list(graph.nodes) if (m := match_norm_linear(n, order)) is not None]
     dead: set[fx.Node] = set()
+    # an earlier match's add and mm -> the op's h and y (a later match may read them: the next layer's residual)
+    replaced: dict[fx.Node, fx.Node] = {}
+    for m in normed:
+        s, residual = replaced.get(m.s, m.s), replaced.get(m.residual, m.residual)
+        args = (s, residual, m.norm.weight, m.linear.weight, m.norm.eps, m.norm.weight_in_fp32)
+        fused = edit.insert(tpw.rms_norm_linear.default, args, before=m.norm.y)
+        y = edit.insert(operator.getitem, (fused, 0), before=m.norm.y)
+        h = edit.insert(operator.getitem, (fused, 1), before=m.norm.y)
+        m.linear.mm.replace_all_uses_with(y)
+        m.h.replace_all_uses_with(h)
+        replaced |= {m.h: h, m.linear.mm: y}
+        dead |= {m.linear.mm, m.linear.mm.args[1], m.norm.y, *m.norm.chain, m.h}
+    edit.erase_unused(dead)
+    report.norm_linears += len(normed)
+    matches = [m for n in list(graph.nodes) if (m := match_linear(n)) is not None]
+    dead = set()
     replaced: dict[fx.Node, fx.Node] = {}  # an earlier match's mm -> its op (a gate_up projection feeding a match)
     for m in matches:
         x = replaced.get(m.x, m.x)
@@ -152,9 +213,9 @@ def route_linears(graph: fx.Graph, *, report: GraphReport) -> list[LinearMatch]:
         dead |= {m.mm, m.mm.args[1], *(_between(m.x, m.mm.args[0]) if m.silu_mul else ())}
     edit.erase_unused(dead)
     # += : Inductor runs the pass on each graph of the compile (a training compile's backward too)
-    report.linears += len(matches)
+    report.linears += len(matches) + len(normed)
     report.gated_linears += sum(m.silu_mul for m in matches)
-    return matches
+    return [m.linear for m in normed] + matches
 
 
 def _between(src: fx.Node, out: fx.Node) -> set[fx.Node]:

@@ -18,6 +18,7 @@ import torch
 
 from tpweave.compiler.tp_group import TPGroup
 from tpweave.log import logger
+from tpweave.ops import pdl
 from tpweave.ops.strategies import check_policy, without_unsafe_under_cudagraph_trees
 from tpweave.tuning.table import SiteShape, StrategyTable
 
@@ -109,6 +110,10 @@ class CompileOptions:
         if self.piecewise:
             config["graph_partition"] = True
             config["custom_should_partition_ops"] = list(ATTENTION_OPS)
+        from torch._inductor import config as inductor
+
+        if pdl.requested() and hasattr(inductor.triton, "enable_pdl"):
+            config["triton.enable_pdl"] = True  # Inductor's kernels launch as ours do (ops/pdl.py), where PDL runs
         return config
 
 

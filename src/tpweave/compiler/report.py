@@ -44,6 +44,7 @@ class GraphReport:
     # the gated MLP's silu(gate) * up themselves
     linears: int = 0
     gated_linears: int = 0
+    norm_linears: int = 0  # ... and of them, how many also take the residual add + RMSNorm before them
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
         """Record what became of the collective at `node` (shape, dtype and bytes per token row read from its fake
@@ -77,6 +78,7 @@ class GraphReport:
             "schedule": list(self.schedule),
             "linears": self.linears,
             "gated_linears": self.gated_linears,
+            "norm_linears": self.norm_linears,
         }
 
     def __str__(self) -> str:
@@ -85,7 +87,10 @@ class GraphReport:
             lines.append(f"  all-gathered bytes per token: {self.gathered_bytes_per_token}")
         lines += [f"  {s}" for s in self.sites]
         if self.linears:
-            lines.append(f"  decode GEMV: {self.linears} linear layers ({self.gated_linears} reading silu(gate) * up)")
+            lines.append(
+                f"  decode GEMV: {self.linears} linear layers ({self.gated_linears} reading silu(gate) * up, "
+                f"{self.norm_linears} taking the residual add + RMSNorm before them)"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -112,7 +112,7 @@ class TPBackend:
             else:
                 self._note(graph_report, f"Inductor failed ({describe(e)}); compiling without our passes")
         graph_report.sites.clear()
-        graph_report.linears = graph_report.gated_linears = 0
+        graph_report.linears = graph_report.gated_linears = graph_report.norm_linears = 0
         graph_report.counts_after = dict(graph_report.counts_before)  # the graph keeps its own collectives
         try:
             return self._compile(gm, example_inputs, None)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tpweave.ops import pdl, rms_norm
+
 try:
     import triton
     import triton.language as tl
@@ -93,7 +95,10 @@ def silu_and_mul(x_M2K: Tensor) -> Tensor:
         return (F.silu(gate) * up).to(x_M2K.dtype)
     out = torch.empty(m, k, dtype=x_M2K.dtype, device=x_M2K.device)
     if m:
-        _silu_mul_kernel[(m, triton.cdiv(k, 1024))](x_M2K, out, k, x_M2K.stride(0), BLOCK=1024, num_warps=4)
+        on = pdl.enabled(x_M2K.device)
+        _silu_mul_kernel[(m, triton.cdiv(k, 1024))](
+            x_M2K, out, k, x_M2K.stride(0), BLOCK=1024, PDL=on, num_warps=4, launch_pdl=on
+        )
     return out
 
 
@@ -110,7 +115,8 @@ if triton is not None:
         return tl.load(x_ptrs, mask=mask, other=0.0)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_and_release(PDL)
         m = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         x = _activation(x_ptr + m * stride_xm + cols, cols < K, K, True)
@@ -118,21 +124,36 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-        SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, r_ptr, g_ptr, h_ptr, eps,
+        SILU_MUL: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl.wait_and_release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
         if BLOCK_M == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            sq = tl.zeros([BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < K
                 w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                x = _activation(x_ptr + kk, k_ok, K, SILU_MUL)
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+                if NORM:
+                    # h = x + residual in x's dtype; the norm's 1 / rms scales the sum at the end (norm_linear)
+                    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+                    h = (x.to(tl.float32) + tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+                    if tl.program_id(0) == 0:
+                        tl.store(h_ptr + kk, h, mask=k_ok)
+                    h32 = h.to(tl.float32)
+                    sq += h32 * h32
+                    xs = h32 * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                else:
+                    xs = _activation(x_ptr + kk, k_ok, K, SILU_MUL).to(tl.float32)
+                acc += w.to(tl.float32) * xs[None, :]
             y = tl.sum(acc, axis=1)
+            if NORM:
+                y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
             tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
         else:
             rows = tl.arange(0, BLOCK_M)
@@ -161,10 +182,11 @@ def gemv(x_MK: Tensor, w_NK: Tensor, *, silu_mul: bool = False, tuning: GemvTuni
         raise ValueError(f"gemv: x has {x_MK.shape[1]} columns, W has {w_NK.shape[1]} (silu_mul={silu_mul})")
     t = tuning or tuning_for(m, n, k, silu_mul=silu_mul)
     y = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
+    on = pdl.enabled(x_MK.device)
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
-        x_MK, w_NK, y, m, n, k, x_MK.stride(0), w_NK.stride(0), y.stride(0),
-        SILU_MUL=silu_mul, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        x_MK, w_NK, y, m, n, k, x_MK.stride(0), w_NK.stride(0), y.stride(0), x_MK, x_MK, x_MK, 0.0,
+        SILU_MUL=silu_mul, NORM=False, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=on,
+        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return y
 
@@ -185,3 +207,48 @@ def linear(x_MK: Tensor, w_NK: Tensor, silu_mul: bool = False) -> Tensor:
 @linear.register_fake
 def _(x_MK, w_NK, silu_mul=False):
     return x_MK.new_empty(x_MK.shape[0], w_NK.shape[0])
+
+
+def norm_gemv(
+    s_K: Tensor, residual_K: Tensor, norm_weight: Tensor, w_NK: Tensor, *, eps: float, tuning: GemvTuning | None = None
+) -> tuple[Tensor, Tensor]:
+    """One row: (rms_norm(h) @ W^T, h) for h = s + residual, in one GEMV kernel (s, residual: (1, K)). Each program
+    sums h^2 over the K it walks anyway and scales its dot products by 1 / rms at the end: the normalized row is
+    never rounded to the model dtype (the unfused norm rounds it once; the difference is within that rounding)."""
+    assert supported(s_K, w_NK) and s_K.shape[0] == 1, "norm_gemv: one row the GEMV takes (check supported())"
+    n, k = w_NK.shape
+    t = tuning or tuning_for(1, n, k)
+    y = torch.empty(1, n, dtype=s_K.dtype, device=s_K.device)
+    h = torch.empty_like(s_K)
+    on = pdl.enabled(s_K.device)
+    _gemv_kernel[(triton.cdiv(n, t.block_n),)](
+        s_K, w_NK, y, 1, n, k, s_K.stride(0), w_NK.stride(0), y.stride(0), residual_K, norm_weight, h, eps,
+        SILU_MUL=False, NORM=True, BLOCK_M=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=on,
+        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+    )  # fmt: skip
+    return y, h
+
+
+@torch.library.custom_op("tpweave::rms_norm_linear", mutates_args=())
+def rms_norm_linear(
+    s_MK: Tensor, residual_MK: Tensor, norm_weight: Tensor, w_NK: Tensor, eps: float, weight_in_fp32: bool
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(h) @ W^T, h) for the residual stream h = s + residual (compiler/decode_gemv.py puts it in place of
+    a residual add + RMSNorm read by one linear layer alone; ops/rms_norm.py: the norm's two weight orders). One
+    GEMV kernel at one row on CUDA (`norm_gemv`); otherwise the add + norm kernel, then `linear`."""
+    if (
+        s_MK.shape[0] == 1
+        and supported(s_MK, w_NK)
+        and residual_MK.dtype == s_MK.dtype
+        and residual_MK.stride(-1) == 1
+        and norm_weight.dim() == 1
+        and norm_weight.stride(0) == 1
+    ):
+        return norm_gemv(s_MK, residual_MK, norm_weight, w_NK, eps=eps)
+    y, h = rms_norm.add_rms_norm(s_MK, residual_MK, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32)
+    return linear(y.to(w_NK.dtype), w_NK), h
+
+
+@rms_norm_linear.register_fake
+def _(s_MK, residual_MK, norm_weight, w_NK, eps, weight_in_fp32):
+    return s_MK.new_empty(s_MK.shape[0], w_NK.shape[0]), s_MK.new_empty(s_MK.shape)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tpweave.ops import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -93,7 +95,9 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl.wait_and_release(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -163,7 +167,9 @@ if triton is not None:
         stride_outh,
         SPLITS_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl.wait_and_release(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)
@@ -222,6 +228,7 @@ def paged_decode(
         num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q_MHD.device.index or 0), tuning
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_MHD.dtype, device=q_MHD.device)
+    on = pdl.enabled(q_MHD.device)
     if splits > 1:
         o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q_MHD.device)
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_MHD.device)
@@ -261,8 +268,10 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK=tuning.block_n,
         SPLIT=splits > 1,
+        PDL=on,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
+        launch_pdl=on,
     )
     if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
@@ -276,6 +285,8 @@ def paged_decode(
             out.stride(1),
             SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
             HEAD_DIM=head_dim,
+            PDL=on,
             num_warps=4,
+            launch_pdl=on,
         )
     return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tpweave.ops import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -48,7 +50,9 @@ if triton is not None:
         q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, pos_ptr,
         stride_qm, stride_qh, stride_km, stride_kh, stride_cs,
         NUM_Q: tl.constexpr, NUM_K: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl.wait_and_release(PDL)
         m = tl.program_id(0)
         pos = tl.load(pos_ptr + m)
         d = tl.arange(0, HEAD_DIM)
@@ -81,10 +85,11 @@ def rotate_qk(q_MHD: Tensor, k_MKD: Tensor, cos_sin_PD: Tensor, positions_M: Ten
     )
     if q_MHD.shape[0]:
         num_q, num_k = q_MHD.shape[1], k_MKD.shape[1]
+        on = pdl.enabled(q_MHD.device)
         _rope_qk_kernel[(q_MHD.shape[0],)](
             q_MHD, k_MKD, q_out, k_out, cos_sin_PD, positions_M,
             q_MHD.stride(0), q_MHD.stride(1), k_MKD.stride(0), k_MKD.stride(1), cos_sin_PD.stride(0),
             NUM_Q=num_q, NUM_K=num_k, Q_PAD=triton.next_power_of_2(num_q), K_PAD=triton.next_power_of_2(num_k),
-            HEAD_DIM=d, num_warps=4,
+            HEAD_DIM=d, PDL=on, num_warps=4, launch_pdl=on,
         )  # fmt: skip
     return q_out, k_out
