@@ -82,6 +82,8 @@ def test_pass_off_leaves_the_matmuls():
     assert set(_routed(compiled)) == {(0, 0)}
     with pytest.raises(TypeError, match="decode_gemv must be True or False"):
         tpweave.compile(module, decode_gemv=1)
+    with pytest.raises(TypeError, match="norm_gemv must be True or False"):
+        tpweave.compile(module, norm_gemv="yes")
 
 
 def test_linear_op_on_cpu_is_the_matmul():
@@ -152,7 +154,7 @@ def test_residual_norm_and_linear_become_one_op(style, fused, dtype):
     torch._dynamo.reset()
     torch.manual_seed(0)
     module = ResidualNormLinear(style).to(dtype).requires_grad_(False)
-    compiled = tpweave.compile(module)
+    compiled = tpweave.compile(module, norm_gemv=True)
     for m in (1, 3, 20):
         x, r = torch.randn(m, 64, dtype=dtype), torch.randn(m, 64, dtype=dtype)
         (q, h), (want_q, want_h) = compiled(x, r), module(x, r)
@@ -172,7 +174,7 @@ def test_norm_without_residual_add_is_left_alone():
 
     torch._dynamo.reset()
     module = NoAdd("llama").requires_grad_(False)
-    compiled = tpweave.compile(module)
+    compiled = tpweave.compile(module, norm_gemv=True)
     x, r = torch.randn(3, 64), torch.randn(3, 64)
     torch.testing.assert_close(compiled(x, r), module(x, r), rtol=1e-5, atol=1e-5)
     assert set(_normed(compiled)) == {0} and set(_routed(compiled)) == {(1, 0)}
@@ -197,8 +199,8 @@ def test_chained_residual_norms_read_the_previous_ops_sum(monkeypatch):
 
     graphs = []
 
-    def keep(graph, *, report):
-        out = route(graph, report=report)
+    def keep(graph, *, report, norms):
+        out = route(graph, report=report, norms=norms)
         graphs.append(graph)
         return out
 
@@ -217,9 +219,18 @@ def test_chained_residual_norms_read_the_previous_ops_sum(monkeypatch):
 
     torch._dynamo.reset()
     module = Two().requires_grad_(False)
-    compiled = tpweave.compile(module)
+    compiled = tpweave.compile(module, norm_gemv=True)
     x, r = torch.randn(1, 64), torch.randn(1, 64)
     torch.testing.assert_close(compiled(x, r), module(x, r), rtol=1e-5, atol=1e-5)
     assert set(_normed(compiled)) == {2}
     adds = [n for n in graphs[0].nodes if n.target is torch.ops.aten.add.Tensor and len(n.all_input_nodes) == 2]
     assert len(adds) == 1, str(graphs[0])  # the last add; h1 and h2 are the ops' second outputs
+
+
+def test_norms_stay_inductors_by_default():
+    torch._dynamo.reset()
+    module = ResidualNormLinear("llama").requires_grad_(False)
+    compiled = tpweave.compile(module)
+    x, r = torch.randn(1, 64), torch.randn(1, 64)
+    torch.testing.assert_close(compiled(x, r), module(x, r), rtol=1e-5, atol=1e-5)
+    assert set(_normed(compiled)) == {0} and set(_routed(compiled)) == {(1, 0)}

@@ -52,10 +52,10 @@ def test_gemv_rows_of_a_larger_tensor_and_cuda_graph_replay():
 
 
 def test_compiled_model_with_decode_gemv_matches_cublas():
-    """tiny preset (bf16): the compiled model with its linear layers through the GEMV gives the logits of the
-    compiled model without it, at M = 1, 5, 16 (GEMV) and 40 (cuBLAS in both)."""
+    """tiny preset (bf16): the compiled model with its linear layers through the GEMV (and its norms fused into
+    them) gives the logits of the compiled model without it, at M = 1, 5, 16 (GEMV) and 40 (cuBLAS in both)."""
     model = build_model("tiny", tp=TPContext.single("cuda"), dtype=torch.bfloat16, num_layers=2)
-    with_gemv = tpweave.compile(model, decode_gemv=True)
+    with_gemv = tpweave.compile(model, decode_gemv=True, norm_gemv=True)
     without = tpweave.compile(model, decode_gemv=False)
     for m in (1, 5, 16, 40):
         ids = torch.randint(0, 1000, (m,), device="cuda")

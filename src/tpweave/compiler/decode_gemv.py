@@ -180,12 +180,12 @@ def match_norm_linear(h: fx.Node, order: dict[fx.Node, int]) -> NormLinearMatch 
     return NormLinearMatch(h, s, residual, norm, linear)
 
 
-def route_linears(graph: fx.Graph, *, report: GraphReport) -> list[LinearMatch]:
-    """Put tpweave::linear in place of every linear layer's matmul, and tpweave::rms_norm_linear in place of a
-    residual add + RMSNorm + linear layer (module doc); the linear layers' matches."""
+def route_linears(graph: fx.Graph, *, report: GraphReport, norms: bool = False) -> list[LinearMatch]:
+    """Put tpweave::linear in place of every linear layer's matmul, and with `norms` tpweave::rms_norm_linear in
+    place of a residual add + RMSNorm + linear layer (module doc); the linear layers' matches."""
     edit = GraphEditor(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    normed = [m for n in list(graph.nodes) if (m := match_norm_linear(n, order)) is not None]
+    normed = [m for n in list(graph.nodes) if norms and (m := match_norm_linear(n, order)) is not None]
     dead: set[fx.Node] = set()
     # an earlier match's add and mm -> the op's h and y (a later match may read them: the next layer's residual)
     replaced: dict[fx.Node, fx.Node] = {}

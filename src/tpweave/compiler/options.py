@@ -50,6 +50,10 @@ class CompileOptions:
     # linear layers through tpweave::linear: a one-kernel Triton GEMV at <= 16 rows on CUDA, torch's matmul above
     # (compiler/decode_gemv.py); every arm and baseline of the benchmarks gets it alike
     decode_gemv: bool = True
+    # with decode_gemv: a residual add + RMSNorm read by one linear layer alone goes into that layer's op (one GEMV
+    # that normalizes as it reads at one row); off by default: slower in the engine's batch-1 step on one H200
+    # (docs/architecture.md, "The decode-GEMV pass")
+    norm_gemv: bool = False
     table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY
@@ -61,7 +65,7 @@ class CompileOptions:
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
 
     def __post_init__(self) -> None:
-        for name in ("async_tp", "cudagraphs", "piecewise", "strict", "decode_gemv"):
+        for name in ("async_tp", "cudagraphs", "piecewise", "strict", "decode_gemv", "norm_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.sp is not None and not isinstance(self.sp, bool):
@@ -137,6 +141,7 @@ class PassOptions:
     token_split: bool = False  # the plain graph as two interleaved token subsets (compiler/token_split.py)
     token_split_sms: int = 0  # > 0: their all-reduce + norm fused on a side stream on this many SMs
     decode_gemv: bool = False  # linear layers through tpweave::linear (compiler/decode_gemv.py), after the passes
+    norm_gemv: bool = False  # ... and residual add + RMSNorm + linear through tpweave::rms_norm_linear
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -208,7 +213,7 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     common = dict(site_policies=site_policies, cudagraph_trees=options.cudagraphs)
-    gemv = dict(decode_gemv=options.decode_gemv)  # not the SP graph: it serves M in the thousands
+    gemv = dict(decode_gemv=options.decode_gemv, norm_gemv=options.norm_gemv)  # not the SP graph: it serves M in the thousands
     variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
                                      all_reduce_rms_norm_policy=ar_norm, **common, **gemv)}  # fmt: skip
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies

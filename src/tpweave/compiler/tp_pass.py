@@ -73,7 +73,7 @@ class TPWeavePass(CustomGraphPass):
             allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)
             allreduce.route_all_reduces(graph, self.tp, policy_for=policy_for, report=report)
         if self.options.decode_gemv:
-            decode_gemv.route_linears(graph, report=report)
+            decode_gemv.route_linears(graph, report=report, norms=self.options.norm_gemv)
         graph.lint()
         report.counts_after = count_collectives(graph)
         report.dispatched = dispatched_ops(graph)
