@@ -17,12 +17,13 @@ Before:                                         After:
     q = mm(y, permute(w, [1, 0]))                   h = getitem(qh, 1)      (h's other users read this one)
 
 silu(gate) is recognised in the forms the decompositions give it (silu, g * sigmoid(g), g / (1 + exp(-g)))
-with dtype casts around its parts; the RMSNorm in the forms compiler/allreduce_norm.py matches, when its output is
-read by one linear layer alone (a fused QKV or gate_up projection) and the residual stream is not read before it.
-At one row the op is one GEMV kernel that normalizes as it reads (ops/gemv.py: norm_gemv), which takes the
-norm's kernel out of each decode step; above, the add + norm kernel and `linear`. The pass runs last, after the
-collectives' passes (an all-reduce + norm they fused is no longer an add here), on the plain and the token-split
-graphs (the SP graph serves M in the thousands).
+with dtype casts around its parts. With `norms` (CompileOptions.norm_gemv, off by default: measured slower in the
+engine's batch-1 step, docs/architecture.md) the RMSNorm goes in too, in the forms compiler/allreduce_norm.py
+matches, when its output is read by one linear layer alone (a fused QKV or gate_up projection) and the residual
+stream is not read before it. At one row the op is one GEMV kernel that normalizes as it reads (ops/gemv.py:
+norm_gemv), which takes the norm's kernel out of each decode step; above, the add + norm kernel and `linear`.
+The pass runs last, after the collectives' passes (an all-reduce + norm they fused is no longer an add here), on
+the plain and the token-split graphs (the SP graph serves M in the thousands).
 """
 
 from __future__ import annotations

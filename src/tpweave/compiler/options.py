@@ -213,7 +213,8 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     common = dict(site_policies=site_policies, cudagraph_trees=options.cudagraphs)
-    gemv = dict(decode_gemv=options.decode_gemv, norm_gemv=options.norm_gemv)  # not the SP graph: it serves M in the thousands
+    # not the SP graph: it serves M in the thousands
+    gemv = dict(decode_gemv=options.decode_gemv, norm_gemv=options.norm_gemv)
     variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
                                      all_reduce_rms_norm_policy=ar_norm, **common, **gemv)}  # fmt: skip
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
