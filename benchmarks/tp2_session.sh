@@ -4,7 +4,7 @@
 # $OUT/<step>.tar.gz. Run from the repository root on the 2-GPU box, e.g.
 #   TPWEAVE_COMMIT=<hash> bash benchmarks/tp2_session.sh tests calibrate8b layer8b
 # Steps, in the order to run them (a protocol bug would hang calibration, so tests come first):
-#   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols) + padding probe
+#   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols), PDL + padding probe
 #   calibrate8b calibration table for llama3-8b (every strategy per site shape and M)
 #   layer8b     per-op / per-layer arms for llama3-8b with that table
 #   latency8b   whole-model TTFT / TPOT for llama3-8b (8 layers) with the table
@@ -25,7 +25,7 @@ step() {
     case $name in
         tests)
             # the emulated-rank tests (one GPU is enough for them) would not leave time for the probe
-            python -m pytest -q -m gpu tests/test_gpu_ops.py -k "not emulated" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
+            python -m pytest -q -m gpu tests/test_gpu_ops.py tests/test_gpu_pdl.py -k "not emulated" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
             python benchmarks/probes/padding_probe.py --output-dir "$dir/padding_probe.json" 2>&1 | tee "$dir/padding_probe.log" | tail -5 ;;
         calibrate8b | calibrate70b)
             local model=llama3-${name#calibrate}

@@ -225,3 +225,18 @@ def test_launch_without_a_main_guard_says_what_to_do(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+
+
+def test_results_record_whether_kernels_launch_with_pdl(monkeypatch):
+    """Provenance says whether PDL was on (off on CPU, and off by TPWEAVE_PDL=0 on any device)."""
+    import torch
+
+    from tpweave.bench.results import provenance_lines, run_metadata
+    from tpweave.ops import pdl
+
+    meta = run_metadata()
+    assert meta["pdl"] is (torch.cuda.is_available() and pdl.enabled(torch.device("cuda")))
+    assert f"- programmatic dependent launch: {'on' if meta['pdl'] else 'off'}" in provenance_lines(meta)
+    monkeypatch.setenv("TPWEAVE_PDL", "0")
+    assert run_metadata()["pdl"] is False and not pdl.enabled(torch.device("cuda"))
+    assert not pdl.enabled(torch.device("cpu"))

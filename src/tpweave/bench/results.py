@@ -16,8 +16,10 @@ def run_metadata(extra: dict[str, Any] | None = None, *, gpus_start: list | None
     """Provenance of this run, found by the tool (bench/provenance.py): the code (tpweave's commit and
     dirty flag, or its version and a hash of its sources), torch / Triton / NCCL / CUDA versions, the
     GPUs' clocks and temperatures at the start (`gpus_start`) and now, the communication environment
-    variables, the command line and UTC date; merged with `extra`."""
+    variables, whether tpweave's and Inductor's kernels launch with PDL (ops/pdl.py), the command line and UTC
+    date; merged with `extra`."""
     from tpweave.bench.provenance import code_version, describe, environment, gpu_state, versions
+    from tpweave.ops import pdl
 
     code = code_version()
     return {
@@ -30,6 +32,7 @@ def run_metadata(extra: dict[str, Any] | None = None, *, gpus_start: list | None
         "gpus_start": gpus_start,
         "gpus_end": gpu_state(),
         "env": environment(),
+        "pdl": torch.cuda.is_available() and pdl.enabled(torch.device("cuda")),
         "command": " ".join(shlex.quote(a) for a in ["tpweave", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **(extra or {}),
@@ -133,6 +136,8 @@ def provenance_lines(meta: dict[str, Any]) -> list[str]:
                          f"{g.get('temperature_gpu')} C, {g.get('power_draw')} W")  # fmt: skip
     if meta.get("env"):
         lines.append("- environment: " + ", ".join(f"{k}={v}" for k, v in meta["env"].items()))
+    if "pdl" in meta:
+        lines.append(f"- programmatic dependent launch: {'on' if meta['pdl'] else 'off'}")
     if "table" in meta:
         table = meta["table"]
         lines.append(
