@@ -7,6 +7,10 @@ W * x elementwise in fp32 and reduces once at the end; above, it pads M to a pow
 With `silu_mul`, x is (M, 2K) = [gate | up] and the input is silu(gate) * up (rounded to x's dtype once, as
 Inductor's fused kernel does); at M = 1 the GEMV reads it so, and the MLP's activation kernel goes too.
 
+`tpweave::rms_norm_linear` takes a residual add + RMSNorm in front of the linear layer: at M = 1 the GEMV adds the
+residual, sums h^2 as it walks K and scales by 1 / rms at the end (`norm_gemv`); the pass uses it with the
+`norm_gemv` compile option only (on one H200 it lost to the norm kernel + GEMV: docs/architecture.md).
+
 `tpweave::linear` is the op the graph pass (compiler/decode_gemv.py) puts in place of a linear layer's matmul:
 the kernel at M <= MAX_ROWS (more for a long K) on CUDA, torch's matmul otherwise (a graph serves every M; the
 choice is made per call, once per CUDA-graph capture).
