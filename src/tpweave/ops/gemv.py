@@ -144,7 +144,7 @@ if triton is not None:
                 k_ok = kk < K
                 w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 if NORM:
-                    # h = x + residual in x's dtype; the norm's 1 / rms scales the sum at the end (norm_linear)
+                    # h = x + residual in x's dtype; the norm's 1 / rms scales the sum at the end (norm_gemv)
                     x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
                     h = (x.to(tl.float32) + tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
                     if tl.program_id(0) == 0:
@@ -201,6 +201,11 @@ def linear(x_MK: Tensor, w_NK: Tensor, silu_mul: bool = False) -> Tensor:
     matmuls); with silu_mul, x (M, 2K) = [gate | up] and the input is silu(gate) * up. At most MAX_ROWS rows on
     CUDA (MAX_ROWS_LONG_K for a long K): the GEMV kernel; otherwise torch's matmul (cuBLAS), after silu_and_mul's
     kernel with silu_mul."""
+    return _linear(x_MK, w_NK, silu_mul)
+
+
+def _linear(x_MK: Tensor, w_NK: Tensor, silu_mul: bool) -> Tensor:
+    """The op's body, for callers already inside an op (no second dispatch)."""
     if supported(x_MK, w_NK):
         return gemv(x_MK, w_NK, silu_mul=silu_mul)
     if silu_mul:
@@ -250,7 +255,7 @@ def rms_norm_linear(
     ):
         return norm_gemv(s_MK, residual_MK, norm_weight, w_NK, eps=eps)
     y, h = rms_norm.add_rms_norm(s_MK, residual_MK, norm_weight, eps=eps, weight_in_fp32=weight_in_fp32)
-    return linear(y.to(w_NK.dtype), w_NK), h
+    return _linear(y.to(w_NK.dtype), w_NK, False), h
 
 
 @rms_norm_linear.register_fake
