@@ -3,6 +3,10 @@ front end and ptxas check every kernel, its inline PTX included (a wrong registe
 constraint otherwise shows only on the device). Skipped without triton; CI runs it with the box's
 Triton (.ci/run). What it cannot check: anything at run time (results, races, speed)."""
 
+import subprocess
+import tempfile
+from pathlib import Path
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -17,15 +21,36 @@ H100_H200 = GPUTarget("cuda", 90, 32)
 PTR = {"bfloat16": "*bf16", "float32": "*fp32"}
 
 
-def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int) -> str:
-    """The kernel's PTX for sm_90a. arg_types: Triton type of every runtime argument ("*bf16", "i32", ...)."""
+def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int):
+    """The kernel compiled for sm_90a. arg_types: Triton type of every runtime argument ("*bf16", "i32", ...)."""
     missing = set(fn.arg_names) - set(arg_types) - set(constexprs)
     assert not missing, f"arguments without a type: {missing}"
     signature = {name: arg_types.get(name, "constexpr") for name in fn.arg_names}
     source = ASTSource(
         fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}
     )
-    return triton.compile(source, target=H100_H200, options={"num_warps": num_warps}).asm["ptx"]
+    return triton.compile(source, target=H100_H200, options={"num_warps": num_warps})
+
+
+def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int) -> str:
+    """The kernel's PTX for sm_90a (compile_kernel)."""
+    return compile_kernel(fn, arg_types, constexprs, num_warps=num_warps).asm["ptx"]
+
+
+def loads_before_wait(kernel) -> bool:
+    """Whether the compiled kernel loads from global memory before its PDL wait: in the machine code ptxas made
+    (LDG before ACQBULK, by Triton's nvdisasm), in the PTX where Triton ships no nvdisasm."""
+    nvdisasm = Path(triton.backends.nvidia.__file__).parent / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        head = kernel.asm["ptx"].split("griddepcontrol.wait")[0]
+        return "ld.global" in head or "cp.async" in head
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    head = sass.split("ACQBULK")[0]
+    assert head != sass, "no griddepcontrol.wait (ACQBULK) in the kernel"
+    return "LDG" in head
 
 
 def _norm_meta(hidden, world, has_residual, weight_fp32):
@@ -102,9 +127,13 @@ def test_paged_decode_kernels_compile(group, head_dim, split):
     strides = {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     tuning = paged_decode.DEFAULT_TUNING
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
-    meta.update(BLOCK=tuning.block_n, SPLIT=split, PDL=split)
+    meta.update(BLOCK=tuning.block_n, SPLIT=split, PREFETCH=tuning.prefetch, PDL=split)
     ptx = compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
     assert ("griddepcontrol.wait" in ptx) == split
+    if split:  # the first K/V tile loads before the wait; nothing does without prefetch
+        for prefetch in (False, True):
+            kernel = compile_kernel(fn, {**ptrs, **scalars, **strides}, meta | {"PREFETCH": prefetch}, num_warps=4)
+            assert loads_before_wait(kernel) == prefetch
     merge = paged_decode._merge_kernel
     strides = {name: "i32" for name in merge.arg_names if name.startswith("stride_")}
     types = dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32", **strides)
@@ -136,8 +165,15 @@ def test_gemv_kernels_compile(m, n, k, silu_mul):
     pdl = m == 1  # with and without PDL (ops/pdl.py)
     for norm in (False, True) if m == 1 and not silu_mul else (False,):
         meta = dict(SILU_MUL=silu_mul, NORM=norm, BLOCK_M=gemv.block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k)
-        ptx = compile_for_gpu(gemv._gemv_kernel, types, {**meta, "PDL": pdl}, num_warps=t.num_warps)
+        ptx = compile_for_gpu(
+            gemv._gemv_kernel, types, {**meta, "PREFETCH": t.prefetch, "PDL": pdl}, num_warps=t.num_warps
+        )
         assert ("griddepcontrol.wait" in ptx) == pdl
+    if pdl:  # W's first tiles load before the wait, nothing at all without prefetch
+        for prefetch in (0, 1, 2):
+            meta = dict(SILU_MUL=silu_mul, NORM=False, BLOCK_M=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+            kernel = compile_kernel(gemv._gemv_kernel, types, {**meta, "PREFETCH": prefetch, "PDL": True}, num_warps=4)
+            assert loads_before_wait(kernel) == (prefetch > 0), prefetch
     types = dict(x_ptr="*bf16", out_ptr="*bf16", K="i32", stride_xm="i32")
     compile_for_gpu(gemv._silu_mul_kernel, types, dict(BLOCK=1024, PDL=pdl), num_warps=4)
 

@@ -4,6 +4,9 @@ kernel per GEMM: 64 of a llama3-8b decode step's kernels).
 
 A program owns BLOCK_N output columns (rows of W) and walks the whole K: at M = 1 it accumulates
 W * x elementwise in fp32 and reduces once at the end; above, it pads M to a power of 2 >= 16 for tl.dot.
+At M = 1 the first tile of W is loaded before the PDL wait (ops/pdl.py): on one H200 that took a llama3-8b decode
+step at batch 1 from 4.26 to 4.20 ms, with the decode kernel's K/V tile before the wait too to 4.16 ms, and a second
+tile lost (benchmarks/results/2026-12-02/probes/prefetch-probe-1xH200.json).
 With `silu_mul`, x is (M, 2K) = [gate | up] and the input is silu(gate) * up (rounded to x's dtype once, as
 Inductor's fused kernel does); at M = 1 the GEMV reads it so, and the MLP's activation kernel goes too.
 
@@ -41,12 +44,14 @@ KERNEL_MAX_ROWS = 128  # what the kernel itself takes (rows padded to a power of
 
 @dataclass(frozen=True)
 class GemvTuning:
-    """Launch parameters of one call: block_n columns per program, block_k of K per iteration."""
+    """Launch parameters of one call: block_n columns per program, block_k of K per iteration, prefetch tiles of W
+    loaded before the PDL wait (0-2; ops/pdl.py)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    prefetch: int = 1
 
 
 def tuning_for(m: int, n: int, k: int, *, silu_mul: bool = False) -> GemvTuning:
@@ -58,13 +63,14 @@ def tuning_for(m: int, n: int, k: int, *, silu_mul: bool = False) -> GemvTuning:
         if n <= 8192:
             return GemvTuning(block_n=8, block_k=512, num_warps=4, num_stages=3)
         return GemvTuning(block_n=16, block_k=256, num_warps=4, num_stages=2)
+    # above one row, no prefetch: a tile held across the wait costs the shared memory of a pipeline stage
     if m > 16:
-        return GemvTuning(block_n=32, block_k=256, num_warps=4, num_stages=4)
+        return GemvTuning(block_n=32, block_k=256, num_warps=4, num_stages=4, prefetch=0)
     if n >= 16384:
-        return GemvTuning(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return GemvTuning(block_n=64, block_k=128, num_warps=4, num_stages=3, prefetch=0)
     if k >= 8192 or n <= 4096:
-        return GemvTuning(block_n=32, block_k=512, num_warps=4, num_stages=4)
-    return GemvTuning(block_n=64, block_k=256, num_warps=4, num_stages=4)
+        return GemvTuning(block_n=32, block_k=512, num_warps=4, num_stages=4, prefetch=0)
+    return GemvTuning(block_n=64, block_k=256, num_warps=4, num_stages=4, prefetch=0)
 
 
 def supported(x_MK: Tensor, w_NK: Tensor, *, max_rows: int | None = None) -> bool:
@@ -127,34 +133,49 @@ if triton is not None:
         tl.store(out_ptr + m * K + cols, x, mask=cols < K)
 
     @triton.jit
+    def _row_tile(acc, sq, w, x_ptr, r_ptr, g_ptr, h_ptr, kk, K, SILU_MUL: tl.constexpr, NORM: tl.constexpr):
+        """M = 1: acc (BLOCK_N, BLOCK_K) += W's tile w * the input at columns kk; with NORM, sq += h^2."""
+        k_ok = kk < K
+        if NORM:
+            # h = x + residual in x's dtype; the norm's 1 / rms scales the sum at the end (norm_gemv)
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+            h = (x.to(tl.float32) + tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+            if tl.program_id(0) == 0:
+                tl.store(h_ptr + kk, h, mask=k_ok)
+            h32 = h.to(tl.float32)
+            sq += h32 * h32
+            xs = h32 * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        else:
+            xs = _activation(x_ptr + kk, k_ok, K, SILU_MUL).to(tl.float32)
+        return acc + w.to(tl.float32) * xs[None, :], sq
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, r_ptr, g_ptr, h_ptr, eps,
         SILU_MUL: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        pdl.wait_and_release(PDL)
+        # The first PREFETCH tiles of W (0-2; no kernel writes W) are loaded before the PDL wait, so that they
+        # stream in while the kernel before this one finishes; the input x is read after it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+        kk = tl.arange(0, BLOCK_K)
+        if PREFETCH >= 1:
+            w0 = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
+        if PREFETCH == 2:
+            w1 = tl.load(w_rows + BLOCK_K + kk[None, :], mask=col_ok[:, None] & (kk + BLOCK_K < K)[None, :], other=0.0)
+        pdl.wait_and_release(PDL)
         if BLOCK_M == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             sq = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                k_ok = kk < K
-                w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                if NORM:
-                    # h = x + residual in x's dtype; the norm's 1 / rms scales the sum at the end (norm_gemv)
-                    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
-                    h = (x.to(tl.float32) + tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
-                    if tl.program_id(0) == 0:
-                        tl.store(h_ptr + kk, h, mask=k_ok)
-                    h32 = h.to(tl.float32)
-                    sq += h32 * h32
-                    xs = h32 * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                else:
-                    xs = _activation(x_ptr + kk, k_ok, K, SILU_MUL).to(tl.float32)
-                acc += w.to(tl.float32) * xs[None, :]
+            if PREFETCH >= 1:
+                acc, sq = _row_tile(acc, sq, w0, x_ptr, r_ptr, g_ptr, h_ptr, kk, K, SILU_MUL, NORM)
+            if PREFETCH == 2:
+                acc, sq = _row_tile(acc, sq, w1, x_ptr, r_ptr, g_ptr, h_ptr, kk + BLOCK_K, K, SILU_MUL, NORM)
+            for k0 in range(BLOCK_K * PREFETCH, K, BLOCK_K):
+                w = tl.load(w_rows + k0 + kk[None, :], mask=col_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
+                acc, sq = _row_tile(acc, sq, w, x_ptr, r_ptr, g_ptr, h_ptr, k0 + kk, K, SILU_MUL, NORM)
             y = tl.sum(acc, axis=1)
             if NORM:
                 y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
@@ -162,13 +183,19 @@ if triton is not None:
         else:
             rows = tl.arange(0, BLOCK_M)
             row_ok = rows < M
+            x_rows = x_ptr + rows[:, None] * stride_xm
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                k_ok = kk < K
-                w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+            if PREFETCH >= 1:
+                x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+                acc = tl.dot(x, tl.trans(w0), acc)
+            if PREFETCH == 2:
+                x = tl.load(x_rows + BLOCK_K + kk[None, :], mask=row_ok[:, None] & (kk + BLOCK_K < K)[None, :],
                             other=0.0)  # fmt: skip
+                acc = tl.dot(x, tl.trans(w1), acc)
+            for k0 in range(BLOCK_K * PREFETCH, K, BLOCK_K):
+                k_ok = k0 + kk < K
+                w = tl.load(w_rows + k0 + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + k0 + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 acc = tl.dot(x, tl.trans(w), acc)
             y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -189,8 +216,8 @@ def gemv(x_MK: Tensor, w_NK: Tensor, *, silu_mul: bool = False, tuning: GemvTuni
     on = pdl.enabled(x_MK.device)
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x_MK, w_NK, y, m, n, k, x_MK.stride(0), w_NK.stride(0), y.stride(0), x_MK, x_MK, x_MK, 0.0,
-        SILU_MUL=silu_mul, NORM=False, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=on,
-        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+        SILU_MUL=silu_mul, NORM=False, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        PREFETCH=t.prefetch, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return y
 
@@ -232,7 +259,7 @@ def norm_gemv(
     on = pdl.enabled(s_K.device)
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         s_K, w_NK, y, 1, n, k, s_K.stride(0), w_NK.stride(0), y.stride(0), residual_K, norm_weight, h, eps,
-        SILU_MUL=False, NORM=True, BLOCK_M=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=on,
+        SILU_MUL=False, NORM=True, BLOCK_M=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PREFETCH=t.prefetch, PDL=on,
         num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return y, h

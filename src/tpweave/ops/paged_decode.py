@@ -29,7 +29,8 @@ except ImportError:  # CPU-only installs: the reference path in attention.py is 
 @dataclass(frozen=True)
 class DecodeTuning:
     """Launch parameters: block_n context tokens per inner iteration, programs_per_sm the target
-    occupancy that decides the split count (from shapes only, fixed per CUDA-graph bucket). The defaults
+    occupancy that decides the split count (from shapes only, fixed per CUDA-graph bucket), prefetch: the first
+    K/V tile is loaded before the PDL wait (ops/pdl.py). The defaults
     come from benchmarks/probes/decode_kernel_probe.py on one H200 (llama3-8b shapes, batch 1-256, context
     1K-8K): within 7% of the best setting of each shape."""
 
@@ -37,6 +38,7 @@ class DecodeTuning:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
+    prefetch: bool = True
 
 
 DEFAULT_TUNING = DecodeTuning()
@@ -58,6 +60,30 @@ def supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, t, cached_end, block_size, stride_tb, stride_ks, stride_kh,
+                 stride_vs, stride_vh, d):  # fmt: skip
+        """K and V (BLOCK, HEAD_DIM) of kv head kvh at sequence seq's positions t (zeros from cached_end on), and
+        the mask of the positions that count."""
+        t_ok = t < cached_end
+        block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
+        slot = block.to(tl.int64) * block_size + t % block_size
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
+        return k, v, t_ok
+
+    @triton.jit
+    def _attend_tile(q, k, v, t_ok, m_i, l_i, acc, scale):
+        """Online softmax: the running max m_i, sum l_i and output acc of q's rows after one more K/V tile."""
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
 
     @triton.jit
     def _decode_kernel(
@@ -95,9 +121,14 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
+        PREFETCH: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        pdl.wait_and_release(PDL)
+        # With PREFETCH, the first tile of cached K/V (and the context length and block table: step inputs, and K/V
+        # that earlier steps wrote) is loaded before the PDL wait, while the kernel before this one finishes; q and
+        # the new token's K/V are read after it.
+        if not PREFETCH:
+            pdl.wait_and_release(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -106,29 +137,25 @@ if triton is not None:
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, kv_len)
         cached_end = tl.minimum(end, new_pos)
+        d = tl.arange(0, HEAD_DIM)
+        t = start + tl.arange(0, BLOCK)
+        k, v, t_ok = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, t, cached_end, block_size, stride_tb, stride_ks,
+                              stride_kh, stride_vs, stride_vh, d)  # fmt: skip
+        if PREFETCH:
+            pdl.wait_and_release(PDL)
         rows = tl.arange(0, GROUP_PAD)
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
-        d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + seq * stride_qm + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for n0 in range(start, cached_end, BLOCK):
-            t = n0 + tl.arange(0, BLOCK)
-            t_ok = t < cached_end
-            block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
-            slot = block.to(tl.int64) * block_size + t % block_size
-            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        if start < cached_end:
+            m_i, l_i, acc = _attend_tile(q, k, v, t_ok, m_i, l_i, acc, scale)
+        for n0 in range(start + BLOCK, cached_end, BLOCK):
+            k, v, t_ok = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, n0 + tl.arange(0, BLOCK), cached_end, block_size,
+                                  stride_tb, stride_ks, stride_kh, stride_vs, stride_vh, d)  # fmt: skip
+            m_i, l_i, acc = _attend_tile(q, k, v, t_ok, m_i, l_i, acc, scale)
         if (new_pos >= start) & (new_pos < end):
             k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
             v_new = tl.load(vn_ptr + seq * stride_vnm + kvh * stride_vnh + d)
@@ -214,11 +241,12 @@ def paged_decode(
     context_lens: Tensor,
     block_size: int,
     scale: float,
-    tuning: DecodeTuning = DEFAULT_TUNING,
+    tuning: DecodeTuning | None = None,
 ) -> Tensor:
     """Sequence b's one new token (q_MHD[b], K/V k_new[b] / v_new[b], stored at slot_mapping[b]) attends to
     the first context_lens[b] positions of its blocks block_tables[b]; (B, H, D) in q's dtype. Inputs may be
     strided views (the rows of a fused QKV output); the last dim must be contiguous."""
+    tuning = tuning or DEFAULT_TUNING
     num_seqs, num_heads, head_dim = q_MHD.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -268,6 +296,7 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK=tuning.block_n,
         SPLIT=splits > 1,
+        PREFETCH=tuning.prefetch,
         PDL=on,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,

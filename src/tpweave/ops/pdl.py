@@ -1,12 +1,20 @@
 """Programmatic dependent launch (PDL, sm_90 and later): a kernel launched with it is let onto the GPU while the
 kernel before it in the stream finishes, and waits (griddepcontrol.wait) for that kernel's completion and memory
-before its first load. Only launch latency and index setup overlap, so results are those of a plain launch.
+before it reads anything that kernel may write. Before the wait it may read only what no kernel still running
+writes: the GEMV loads its first tile of weights there, the paged decode kernel its first tile of cached K/V
+(written by earlier steps). Launch latency, index setup and those loads overlap the kernel before; the results
+are those of a plain launch.
+
+A kernel lets the next one launch only after its own wait (`wait_and_release`): a kernel then starts only once
+the one two places before it has finished, which is what the loads before a wait (and Inductor's kernels, which
+wait only for the kernel just before) rely on.
 
 In a decode step of small kernels back to back (the GEMVs, RoPE, paged decode and merge: ~9 per layer), the gap
 between two kernels is a visible share of the step. tpweave's decode kernels launch so where `enabled`, and
 tpweave's compiles ask Inductor to launch its own kernels so (compiler/options.py). TPWEAVE_PDL=0 turns both off.
 
-A kernel takes a `PDL: tl.constexpr` and starts with `wait_and_release(PDL)`; its launch passes `launch_pdl=PDL`.
+A kernel takes a `PDL: tl.constexpr` and calls `wait_and_release(PDL)` before its first read of another kernel's
+output; its launch passes `launch_pdl=PDL`.
 """
 
 from __future__ import annotations
