@@ -22,8 +22,6 @@ from tpweave.engine.sequence import Sequence
 from tpweave.ops import gemv, paged_decode
 from tpweave.runtime.context import TPContext
 
-SETTINGS = [(0, False), (1, False), (2, False), (1, True), (2, True)]  # (GEMV tiles, decode tile) before the wait
-
 
 def use(gemv_tiles: int, decode_tile: bool, tuning_for) -> None:
     def one_row(m, n, k, **kw):  # tuning_for takes no prefetch above one row (shared memory)
@@ -86,6 +84,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--prefill", default="2048")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settings", default="0:0,1:0,2:0,1:1,2:1", help="GEMV tiles:decode tile (0/1), ...")
+    parser.add_argument("--engine-graphs-first", action="store_true", help="first time the graphs the engine made")
     parser.add_argument("--out")
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -94,10 +94,15 @@ def main() -> None:
     hbm, _ = bench.hbm_bandwidth(ctx.device)
     settings = bench.EngineBenchSettings(batches=batches, steps=32, warmup_steps=4, replays=50)
     tuning_for, rows = gemv.tuning_for, []
+    chosen = [(int(a), bool(int(b))) for a, b in (x.split(":") for x in args.settings.split(","))]
     for rnd in range(args.rounds):
-        for gemv_tiles, decode_tile in SETTINGS:
-            use(gemv_tiles, decode_tile, tuning_for)
-            engine.runner._capture_decode_graphs(list(batches))
+        for setting in ([None] if args.engine_graphs_first and rnd == 0 else []) + chosen:
+            if setting is None:  # the defaults, in the graphs the engine captured for all its buckets
+                gemv_tiles, decode_tile = -1, None
+            else:
+                gemv_tiles, decode_tile = setting
+                use(gemv_tiles, decode_tile, tuning_for)
+                engine.runner._capture_decode_graphs(list(batches))
             for r in bench._decode_rows(ctx, engine, settings, hbm):
                 row = dict(round=rnd, gemv_prefetch=gemv_tiles, decode_prefetch=decode_tile, batch=r["batch"])
                 row |= {k: r[k] for k in ("step_ms", "forward_ms", "of_roofline", "forward_ms_samples")}
@@ -105,7 +110,7 @@ def main() -> None:
                 print({k: v for k, v in row.items() if k != "forward_ms_samples"}, flush=True)
     use(1, True, tuning_for)
     timelines = []
-    for n in (int(t) for t in args.prefill.split(",") if t):
+    for n in (int(t) for t in args.prefill.split(",") if t.strip() not in ("", "0")):
         timelines.append(prefill_timeline(engine, n))
         print({k: v for k, v in timelines[-1].items() if not k.endswith("samples")}, flush=True)
     engine.release()

@@ -29,8 +29,9 @@ except ImportError:  # CPU-only installs: the reference path in attention.py is 
 @dataclass(frozen=True)
 class DecodeTuning:
     """Launch parameters: block_n context tokens per inner iteration, programs_per_sm the target
-    occupancy that decides the split count (from shapes only, fixed per CUDA-graph bucket), prefetch: the first
-    K/V tile is loaded before the PDL wait (ops/pdl.py). The defaults
+    occupancy that decides the split count (from shapes only, fixed per CUDA-graph bucket), prefetch: the context
+    length, block table and first K/V tile are read before the PDL wait (ops/pdl.py; so context_lens and
+    block_tables must be step inputs, not outputs of the kernels just before). The defaults
     come from benchmarks/probes/decode_kernel_probe.py on one H200 (llama3-8b shapes, batch 1-256, context
     1K-8K): within 7% of the best setting of each shape."""
 
