@@ -123,12 +123,11 @@ def test_paged_decode_kernels_compile(group, head_dim, split):
     fn = paged_decode._decode_kernel
     ptrs = dict(q_ptr="*bf16", kn_ptr="*bf16", vn_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64")
     ptrs.update(tables_ptr="*i32", ctx_ptr="*i32", o_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32")
-    ptrs.update(cs_ptr="*fp32", pos_ptr="*i64")
     scalars = dict(scale="fp32", block_size="i32", tokens_per_split="i32")
     strides = {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     tuning = paged_decode.DEFAULT_TUNING
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
-    meta.update(BLOCK=tuning.block_n, SPLIT=split, ROPE=split, PREFETCH=tuning.prefetch, PDL=split)
+    meta.update(BLOCK=tuning.block_n, SPLIT=split, PREFETCH=tuning.prefetch, PDL=split)
     ptx = compile_for_gpu(fn, {**ptrs, **scalars, **strides}, meta, num_warps=tuning.num_warps)
     assert ("griddepcontrol.wait" in ptx) == split
     if split:  # the first K/V tile loads before the wait; nothing does without prefetch

@@ -1,6 +1,5 @@
 """Whether loading the first weight / K-V tiles before the PDL wait (ops/gemv.py GemvTuning.prefetch,
-ops/paged_decode.py DecodeTuning.prefetch), and RoPE inside the split decode kernel (DecodeTuning.rope_in_kernel),
-speed the engine's decode forward: the llama3-8b engine built once, its
+ops/paged_decode.py DecodeTuning.prefetch) speeds the engine's decode forward: the llama3-8b engine built once, its
 decode CUDA graphs re-captured per setting, each setting timed as `tpweave bench engine` times it (bench/engine.py
 _decode_rows), settings interleaved over two rounds. Then where the prefill forward's time goes: the kernels of one
 2048-token forward on a timeline, the GPU idle time between them and the largest gaps.
@@ -24,15 +23,13 @@ from tpweave.ops import gemv, paged_decode
 from tpweave.runtime.context import TPContext
 
 
-def use(gemv_tiles: int, decode_tile: bool, tuning_for, rope_in_kernel: bool = True) -> None:
+def use(gemv_tiles: int, decode_tile: bool, tuning_for) -> None:
     def one_row(m, n, k, **kw):  # tuning_for takes no prefetch above one row (shared memory)
         t = tuning_for(m, n, k, **kw)
         return dataclasses.replace(t, prefetch=gemv_tiles) if m == 1 else t
 
     gemv.tuning_for = one_row
-    paged_decode.DEFAULT_TUNING = dataclasses.replace(
-        paged_decode.DecodeTuning(), prefetch=decode_tile, rope_in_kernel=rope_in_kernel
-    )
+    paged_decode.DEFAULT_TUNING = dataclasses.replace(paged_decode.DecodeTuning(), prefetch=decode_tile)
 
 
 def prefill_timeline(engine: LLMEngine, num_tokens: int) -> dict:
@@ -87,9 +84,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--prefill", default="2048")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument(
-        "--settings", default="0:0,1:0,2:0,1:1,2:1", help="GEMV tiles:decode tile[:RoPE in the decode kernel], ..."
-    )
+    parser.add_argument("--settings", default="0:0,1:0,2:0,1:1,2:1", help="GEMV tiles:decode tile (0/1), ...")
     parser.add_argument("--engine-graphs-first", action="store_true", help="first time the graphs the engine made")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -99,18 +94,17 @@ def main() -> None:
     hbm, _ = bench.hbm_bandwidth(ctx.device)
     settings = bench.EngineBenchSettings(batches=batches, steps=32, warmup_steps=4, replays=50)
     tuning_for, rows = gemv.tuning_for, []
-    chosen = [(*(int(v) for v in x.split(":")), 1)[:3] for x in args.settings.split(",")]  # RoPE inside by default
+    chosen = [(int(a), bool(int(b))) for a, b in (x.split(":") for x in args.settings.split(","))]
     for rnd in range(args.rounds):
         for setting in ([None] if args.engine_graphs_first and rnd == 0 else []) + chosen:
             if setting is None:  # the defaults, in the graphs the engine captured for all its buckets
-                gemv_tiles, decode_tile, rope_inside = -1, None, None
+                gemv_tiles, decode_tile = -1, None
             else:
-                gemv_tiles, decode_tile, rope_inside = setting[0], bool(setting[1]), bool(setting[2])
-                use(gemv_tiles, decode_tile, tuning_for, rope_inside)
+                gemv_tiles, decode_tile = setting
+                use(gemv_tiles, decode_tile, tuning_for)
                 engine.runner._capture_decode_graphs(list(batches))
             for r in bench._decode_rows(ctx, engine, settings, hbm):
-                row = dict(round=rnd, gemv_prefetch=gemv_tiles, decode_prefetch=decode_tile, rope_in_kernel=rope_inside)
-                row["batch"] = r["batch"]
+                row = dict(round=rnd, gemv_prefetch=gemv_tiles, decode_prefetch=decode_tile, batch=r["batch"])
                 row |= {k: r[k] for k in ("step_ms", "forward_ms", "of_roofline", "forward_ms_samples")}
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "forward_ms_samples"}, flush=True)

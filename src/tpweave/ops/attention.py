@@ -78,24 +78,22 @@ def paged_attention(
     tokens' K/V are written at slot_mapping (M,) first. Sequence b has new rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and context_lens[b] tokens in all (cached + new);
     block_tables (B, max_blocks) lists its blocks. With cos_sin (P, D) and positions (M,), q and k are
-    unrotated and RoPE is applied here (ops/rope.py: one kernel for q and k on CUDA, or the decode kernel
-    itself). `fresh`, a 0-dim bool tensor on the CPU (read without a device sync), says that no sequence has
-    cached context (context_lens equal the new tokens' counts): attention then runs over the new K/V alone,
-    with no gather from the pool.
+    unrotated and RoPE is applied here (ops/rope.py: one kernel for q and k on CUDA). `fresh`, a 0-dim bool
+    tensor on the CPU (read without a device sync), says that no sequence has cached context (context_lens
+    equal the new tokens' counts): attention then runs over the new K/V alone, with no gather from the pool.
     """
     num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
     if (cos_sin is None) != (positions is None):
         raise ValueError("paged_attention: cos_sin and positions go together (RoPE inside the op) or not at all")
     if fresh is not None and (fresh.device.type != "cpu" or fresh.numel() != 1):
         raise ValueError(f"paged_attention: fresh must be one bool on the CPU, got {fresh.numel()} on {fresh.device}")
-    if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
-        # one new token per sequence (shapes only, no host sync): RoPE, KV write and attention in the Triton kernels
-        return paged_decode.paged_decode(
-            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale,
-            cos_sin=cos_sin, positions=positions,
-        )  # fmt: skip
     if cos_sin is not None:
         q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions)
+    if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
+        # one new token per sequence (shapes only, no host sync): KV write and attention in the Triton kernel
+        return paged_decode.paged_decode(
+            q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale
+        )
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
     if fresh is not None and bool(fresh):

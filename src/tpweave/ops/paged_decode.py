@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tpweave.ops import pdl, rope
+from tpweave.ops import pdl
 
 try:
     import triton
@@ -31,8 +31,7 @@ class DecodeTuning:
     """Launch parameters: block_n context tokens per inner iteration, programs_per_sm the target
     occupancy that decides the split count (from shapes only, fixed per CUDA-graph bucket), prefetch: the context
     length, block table and first K/V tile are read before the PDL wait (ops/pdl.py; so context_lens and
-    block_tables must be step inputs, not outputs of the kernels just before), rope_in_kernel: RoPE of q and the
-    new k inside the kernel where it splits the context (paged_decode). The defaults
+    block_tables must be step inputs, not outputs of the kernels just before). The defaults
     come from benchmarks/probes/decode_kernel_probe.py on one H200 (llama3-8b shapes, batch 1-256, context
     1K-8K): within 7% of the best setting of each shape."""
 
@@ -41,7 +40,6 @@ class DecodeTuning:
     num_stages: int = 2
     programs_per_sm: int = 2
     prefetch: bool = True
-    rope_in_kernel: bool = True
 
 
 DEFAULT_TUNING = DecodeTuning()
@@ -100,8 +98,6 @@ if triton is not None:
         ctx_ptr,
         o_ptr,
         lse_ptr,
-        cs_ptr,
-        pos_ptr,
         stride_qm,
         stride_qh,
         stride_knm,
@@ -118,7 +114,6 @@ if triton is not None:
         stride_os,
         stride_lm,
         stride_lh,
-        stride_cs,
         scale,
         block_size,
         tokens_per_split,
@@ -127,7 +122,6 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
-        ROPE: tl.constexpr,
         PREFETCH: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -148,19 +142,12 @@ if triton is not None:
         t = start + tl.arange(0, BLOCK)
         k, v, t_ok = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, t, cached_end, block_size, stride_tb, stride_ks,
                               stride_kh, stride_vs, stride_vh, d)  # fmt: skip
-        if ROPE:  # the new token's angles (positions: a step input)
-            cos, sin = rope.angles(cs_ptr, tl.load(pos_ptr + seq), stride_cs, HEAD_DIM)
         if PREFETCH:
             pdl.wait_and_release(PDL)
         rows = tl.arange(0, GROUP_PAD)
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
-        if ROPE:  # q and the new k arrive unrotated: rotated here, rounded to their dtype as rope.rotate_qk does
-            q = rope.rotate_rows(q_ptr + seq * stride_qm, stride_qh, heads, row_ok, cos, sin, HEAD_DIM)
-            q = q.to(q_ptr.dtype.element_ty)
-        else:
-            q_offs = seq * stride_qm + heads[:, None] * stride_qh + d[None, :]
-            q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + seq * stride_qm + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -171,12 +158,7 @@ if triton is not None:
                                   stride_tb, stride_ks, stride_kh, stride_vs, stride_vh, d)  # fmt: skip
             m_i, l_i, acc = _attend_tile(q, k, v, t_ok, m_i, l_i, acc, scale)
         if (new_pos >= start) & (new_pos < end):
-            if ROPE:
-                one = kvh + tl.arange(0, 1)
-                k_new = rope.rotate_rows(kn_ptr + seq * stride_knm, stride_knh, one, one >= 0, cos, sin, HEAD_DIM)
-                k_new = tl.sum(k_new, 0).to(kn_ptr.dtype.element_ty)
-            else:
-                k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
+            k_new = tl.load(kn_ptr + seq * stride_knm + kvh * stride_knh + d)
             v_new = tl.load(vn_ptr + seq * stride_vnm + kvh * stride_vnh + d)
             slot_new = tl.load(slot_ptr + seq)
             tl.store(k_ptr + slot_new * stride_ks + kvh * stride_kh + d, k_new)
@@ -261,32 +243,19 @@ def paged_decode(
     block_size: int,
     scale: float,
     tuning: DecodeTuning | None = None,
-    cos_sin: Tensor | None = None,
-    positions: Tensor | None = None,
 ) -> Tensor:
     """Sequence b's one new token (q_MHD[b], K/V k_new[b] / v_new[b], stored at slot_mapping[b]) attends to
     the first context_lens[b] positions of its blocks block_tables[b]; (B, H, D) in q's dtype. Inputs may be
-    strided views (the rows of a fused QKV output); the last dim must be contiguous. With cos_sin (P, D) and
-    positions (B,) (ops/rope.py), q and k_new are unrotated: where the kernel splits the context (a small batch,
-    latency-bound) it rotates them itself, rounded as rope.rotate_qk rounds; otherwise rope.rotate_qk runs first."""
+    strided views (the rows of a fused QKV output); the last dim must be contiguous."""
     tuning = tuning or DEFAULT_TUNING
     num_seqs, num_heads, head_dim = q_MHD.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
+    for name, t in (("q", q_MHD), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name} needs a contiguous head dim"
     splits, per_split = split_plan(
         num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q_MHD.device.index or 0), tuning
     )
-    rope_inside = (
-        cos_sin is not None
-        and tuning.rope_in_kernel
-        and splits > 1
-        and cos_sin.stride(-1) == 1
-        and cos_sin.dtype == torch.float32
-    )
-    if cos_sin is not None and not rope_inside:
-        q_MHD, k_new = rope.rotate_qk(q_MHD, k_new, cos_sin, positions)
-    for name, t in (("q", q_MHD), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert t.stride(-1) == 1, f"{name} needs a contiguous head dim"
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_MHD.dtype, device=q_MHD.device)
     on = pdl.enabled(q_MHD.device)
     if splits > 1:
@@ -307,8 +276,6 @@ def paged_decode(
         context_lens,
         o,
         lse,
-        cos_sin if rope_inside else o,
-        positions if rope_inside else slot_mapping,
         q_MHD.stride(0),
         q_MHD.stride(1),
         k_new.stride(0),
@@ -322,7 +289,6 @@ def paged_decode(
         block_tables.stride(0),
         *o_strides,
         *lse_strides,
-        cos_sin.stride(0) if rope_inside else 0,
         scale,
         block_size,
         per_split,
@@ -331,7 +297,6 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK=tuning.block_n,
         SPLIT=splits > 1,
-        ROPE=rope_inside,
         PREFETCH=tuning.prefetch,
         PDL=on,
         num_warps=tuning.num_warps,

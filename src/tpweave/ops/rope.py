@@ -3,10 +3,10 @@ rotated by the angles of each token's position. cos_sin (P, D) fp32 holds [cos |
 each position; the math is fp32, the result rounded once to x's dtype.
 
 `rotate` is the torch form (the model's own RoPE, CPU paths); `rotate_qk` rotates a step's q and k heads in one
-Triton kernel on CUDA (the paged attention op: one launch per layer where Inductor's RoPE takes two). The paged
-decode kernel rotates q and the new k itself where it splits the context (ops/paged_decode.py); where it does
-not, rotating inside it measured slower (benchmarks/results/2026-12-02/probes/decode-kernel-variants-1xH200.json:
-93 vs 70 us at batch 64, context 1024).
+Triton kernel on CUDA (the paged attention op: one launch per layer where Inductor's RoPE takes two). Rotating
+inside the decode kernel instead measured slower (benchmarks/results/2026-12-02/probes/
+decode-kernel-variants-1xH200.json: 93 vs 70 us at batch 64, context 1024), and, only where it splits the context
+with the angles loaded before the PDL wait, no faster at batch 1 (probes/rope-in-decode-probe-1xH200.log).
 """
 
 from __future__ import annotations
@@ -33,30 +33,18 @@ def rotate(x_MXD: Tensor, cos_sin_PD: Tensor, positions_M: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def angles(cs_ptr, pos, stride_cs, HEAD_DIM: tl.constexpr):
-        """(cos, sin), fp32 (HEAD_DIM,): the angles of position `pos` for each of a head's columns."""
-        half: tl.constexpr = HEAD_DIM // 2
-        d = tl.arange(0, HEAD_DIM)
-        return tl.load(cs_ptr + pos * stride_cs + d % half), tl.load(cs_ptr + pos * stride_cs + half + d % half)
-
-    @triton.jit
-    def rotate_rows(x_ptr, stride_xh, heads, head_ok, cos, sin, HEAD_DIM: tl.constexpr):
+    def rotated_heads(x_ptr, stride_xh, heads, head_ok, cs_ptr, pos, stride_cs, HEAD_DIM: tl.constexpr):
         """fp32 (len(heads), HEAD_DIM): rows `heads` of one token's (heads, HEAD_DIM) block at x_ptr, rotated by
-        the angles (cos, sin) of `angles`."""
+        the angles of position `pos`."""
         half: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, HEAD_DIM)
         partner = (d + half) % HEAD_DIM
         sign = tl.where(d < half, -1.0, 1.0)
         x = tl.load(x_ptr + heads[:, None] * stride_xh + d[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
         xp = tl.load(x_ptr + heads[:, None] * stride_xh + partner[None, :], mask=head_ok[:, None], other=0.0)
+        cos = tl.load(cs_ptr + pos * stride_cs + d % half)
+        sin = tl.load(cs_ptr + pos * stride_cs + half + d % half)
         return x * cos[None, :] + sign[None, :] * xp.to(tl.float32) * sin[None, :]
-
-    @triton.jit
-    def rotated_heads(x_ptr, stride_xh, heads, head_ok, cs_ptr, pos, stride_cs, HEAD_DIM: tl.constexpr):
-        """fp32 (len(heads), HEAD_DIM): rows `heads` of one token's (heads, HEAD_DIM) block at x_ptr, rotated by
-        the angles of position `pos`."""
-        cos, sin = angles(cs_ptr, pos, stride_cs, HEAD_DIM)
-        return rotate_rows(x_ptr, stride_xh, heads, head_ok, cos, sin, HEAD_DIM)
 
     @triton.jit
     def _rope_qk_kernel(
