@@ -51,26 +51,26 @@ class GemvTuning:
     block_k: int
     num_warps: int
     num_stages: int
-    prefetch: int = 1
+    prefetch: int = 0
 
 
 def tuning_for(m: int, n: int, k: int, *, silu_mul: bool = False) -> GemvTuning:
     """Launch parameters for these sizes: the best settings of benchmarks/probes/gemv_probe.py on one H200
     (llama3-8b shapes, benchmarks/results/2026-12-02/probes/gemv-probe-1xH200.json) as a rule of N and K."""
-    if m == 1:
+    if m == 1:  # one tile of W before the PDL wait (benchmarks/probes/prefetch_probe.py)
         if k >= 8192:
-            return GemvTuning(block_n=8 if silu_mul else 16, block_k=1024, num_warps=4, num_stages=3)
+            return GemvTuning(block_n=8 if silu_mul else 16, block_k=1024, num_warps=4, num_stages=3, prefetch=1)
         if n <= 8192:
-            return GemvTuning(block_n=8, block_k=512, num_warps=4, num_stages=3)
-        return GemvTuning(block_n=16, block_k=256, num_warps=4, num_stages=2)
+            return GemvTuning(block_n=8, block_k=512, num_warps=4, num_stages=3, prefetch=1)
+        return GemvTuning(block_n=16, block_k=256, num_warps=4, num_stages=2, prefetch=1)
     # above one row, no prefetch: a tile held across the wait costs the shared memory of a pipeline stage
     if m > 16:
-        return GemvTuning(block_n=32, block_k=256, num_warps=4, num_stages=4, prefetch=0)
+        return GemvTuning(block_n=32, block_k=256, num_warps=4, num_stages=4)
     if n >= 16384:
-        return GemvTuning(block_n=64, block_k=128, num_warps=4, num_stages=3, prefetch=0)
+        return GemvTuning(block_n=64, block_k=128, num_warps=4, num_stages=3)
     if k >= 8192 or n <= 4096:
-        return GemvTuning(block_n=32, block_k=512, num_warps=4, num_stages=4, prefetch=0)
-    return GemvTuning(block_n=64, block_k=256, num_warps=4, num_stages=4, prefetch=0)
+        return GemvTuning(block_n=32, block_k=512, num_warps=4, num_stages=4)
+    return GemvTuning(block_n=64, block_k=256, num_warps=4, num_stages=4)
 
 
 def supported(x_MK: Tensor, w_NK: Tensor, *, max_rows: int | None = None) -> bool:
