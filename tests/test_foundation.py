@@ -35,6 +35,18 @@ def test_tp_logits_match_single_rank(tp, reference_logits):
             assert err <= TOL[dtype] * max(1.0, ref.abs().max().item()), (tp, dtype, m, err)
 
 
+def test_one_rank_group_runs_no_collectives():
+    """A model on a process group of one rank (what `-tp 1` through the CLI makes) sums and gathers nothing: a
+    one-rank all-reduce is a copy, and in a decode CUDA graph a node PDL chains cannot cross. Same logits, bit for
+    bit, as the model without a group; two ranks still communicate."""
+    names, logits = tpweave.launch(workers.collectives_and_logits, "tiny", 5, nprocs=1)[0]
+    assert names == []
+    single_names, single = workers.collectives_and_logits(tpweave.TPContext.single(), "tiny", 5)
+    assert single_names == [] and torch.equal(logits, single)
+    two = tpweave.launch(workers.collectives_and_logits, "tiny", 5, nprocs=2)
+    assert all(any("all_reduce" in n for n in rank_names) for rank_names, _ in two)
+
+
 def test_qwen_style_bias_and_tied_head():
     overrides = {"qkv_bias": True, "tie_word_embeddings": True}
     ref = workers.eager_logits(tpweave.TPContext.single(), "tiny", [5, 33], **overrides)

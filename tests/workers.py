@@ -38,6 +38,31 @@ def eager_logits(ctx, source, token_counts, dtype_names=("float32",), seed=0, **
     return out
 
 
+@torch.no_grad()
+def collectives_and_logits(ctx, source, num_tokens, seed=0):
+    """(names of the distributed ops one eager forward dispatched, logits on CPU) of the model on this rank."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if func.namespace in ("_c10d_functional", "c10d") or any(
+                word in name for word in ("all_reduce", "gather", "scatter")
+            ):
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(source, tp=ctx, dtype=torch.float32, seed=seed)
+    batch = batch_for(num_tokens, vocab_size=model.config.vocab_size, device=ctx.device)
+    with Record() as record:
+        logits = model(*batch.args())
+    return record.names, logits.cpu()
+
+
 def state_dict_cpu(ctx, source, seed=0, dtype_name="float32"):
     model = build_model(source, tp=ctx, dtype=DTYPES[dtype_name], seed=seed)
     return {k: v.cpu() for k, v in model.state_dict().items()}

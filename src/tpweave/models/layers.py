@@ -91,7 +91,7 @@ class RowParallelLinear(_Linear):
         self, in_features: int, out_features: int, *, tp: TPContext, dtype: torch.dtype, quant: Quant = Quant()
     ):
         super().__init__()
-        self.group_name = tp.group_name
+        self.group_name = tp.comm_group_name
         self._init_weights(out_features, in_features // tp.world_size, quant=quant, dtype=dtype, device=tp.device)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -106,7 +106,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_local = vocab_size // tp.world_size
         self.start = tp.rank * self.num_local
-        self.group_name = tp.group_name
+        self.group_name = tp.comm_group_name
         self.weight = _param(self.num_local, hidden_size, dtype=dtype, device=tp.device)
 
     def forward(self, ids_M: Tensor) -> Tensor:
@@ -123,7 +123,7 @@ class ParallelLMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.world_size = tp.world_size
-        self.group_name = tp.group_name
+        self.group_name = tp.comm_group_name
         self.weight = _param(vocab_size // tp.world_size, hidden_size, dtype=dtype, device=tp.device)
 
     def forward(self, x_MH: Tensor) -> Tensor:

@@ -38,6 +38,12 @@ class TPContext:
         )
 
     @property
+    def comm_group_name(self) -> str | None:
+        """The group a TP layer's collectives run on: group_name, or None for a single rank (nothing to sum or
+        gather: a one-rank collective is a copy, and in a CUDA graph a node that PDL chains cannot cross)."""
+        return self.group_name if self.world_size > 1 else None
+
+    @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group named group_name, None without one."""
         if self.group_name is None:
