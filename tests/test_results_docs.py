@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tpweave.bench.provenance import code_version
 from tpweave.bench.results import load_results, summary
 
@@ -48,3 +50,15 @@ def test_the_check_catches_a_typed_number():
     source = "| layer | 512 | - | 1.096 (no interval) |"
     assert quoted_ratios_not_in("auto is 1.096x faster", source) == []
     assert quoted_ratios_not_in("auto is 1.12x faster on torch 2.13.0", source) == ["1.12"]
+
+
+def test_sources_map_to_the_commit_that_brought_them_in():
+    """A result's sources name the commit that introduced them, not the newest with the same sources: later
+    commits of docs and results leave SUMMARY.md as it was. (Run m of 2026-12-02 ran c3924dd's sources, which
+    the commits after it, docs and results only, kept.)"""
+    from tpweave.bench.provenance import commit_of_sources
+
+    found = commit_of_sources("20dc4a7e16ba30a0")
+    if found is None:
+        pytest.skip("this checkout's last 300 commits do not hold c3924dd")
+    assert found.startswith("c3924dd")

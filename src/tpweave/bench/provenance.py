@@ -60,7 +60,9 @@ def describe(code: dict[str, Any]) -> str:
 
 
 def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | None:
-    """The newest commit (of this checkout's last `max_commits`) whose src/tpweave has this source_hash."""
+    """The commit (of this checkout's last `max_commits`) that brought in the newest src/tpweave with this
+    source_hash: the oldest of the run of commits that have it, so commits that leave the sources alone do not
+    change the answer."""
     if not digest:
         return None
     top = _git("rev-parse", "--show-toplevel")
@@ -77,14 +79,17 @@ def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | No
         )
     blobs = sorted({blob for files in trees.values() for _, blob in files})
     contents = _cat_blobs(top, blobs)
-    for commit in commits:
+    found = None
+    for commit in commits:  # newest first
         h = hashlib.sha256()
         for rel, blob in trees[commit]:  # Path order: the order source_hash uses
             h.update(str(rel).encode())
             h.update(contents.get(blob, b""))
         if h.hexdigest()[:16] == digest:
-            return commit
-    return None
+            found = commit
+        elif found is not None:
+            break
+    return found
 
 
 def _cat_blobs(top: str, blobs: list[str]) -> dict[str, bytes]:
