@@ -95,25 +95,38 @@ def _cos_sin(head_dim: int, positions: int = 16384) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "q_lens,ctx_lens",
-    [([1], [3000]), ([1] * 64, [17 + 31 * i for i in range(64)]), ([37, 1, 300], [37, 900, 812])],
+    [
+        ([1], [3000]),
+        ([1] * 64, [17 + 31 * i for i in range(64)]),
+        ([37, 1, 300], [37, 900, 812]),
+        ([37, 300], [37, 300]),  # fresh: RoPE and the KV write in one kernel, then the flash prefill kernel
+        ([2048], [2048]),
+    ],
 )
 def test_paged_attention_with_rope_inside_equals_rope_then_attention(q_lens, ctx_lens):
-    """RoPE inside the op (rope_qk's one kernel for q and k) == ops/rope.py's torch form applied first: the same
-    rotated K in the cache and output, within bf16 rounding."""
+    """RoPE inside the op (rope_qk's one kernel for q and k, which also writes K/V to the cache outside decode) ==
+    ops/rope.py's torch form applied first: the same rotated K and the same V in the cache and output, within bf16
+    rounding. q, k and v are views of one fused QKV tensor, as the model passes them."""
     from tpweave.ops import rope
 
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = _paged_case(q_lens, ctx_lens)
+    q, k_new, v_new = torch.cat([q, k_new, v_new], dim=1).split([q.shape[1], k_new.shape[1], v_new.shape[1]], dim=1)
+    fresh = torch.tensor(q_lens == ctx_lens)
     cos_sin = _cos_sin(q.shape[-1])
     positions = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, ctx_lens)]).cuda()
     k_cache2, v_cache2 = k_cache.clone(), v_cache.clone()
     got = torch.ops.tpweave.paged_attention(
-        q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale, cos_sin, positions
+        q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale, cos_sin, positions, fresh
     )
     q_rot, k_rot = rope.rotate(q, cos_sin, positions), rope.rotate(k_new, cos_sin, positions)
     want = torch.ops.tpweave.paged_attention(q_rot, k_rot, v_new, k_cache2, v_cache2, slots, cu, ctx, tables, bs, scale)
     # rounded to bf16 once, as rope.rotate does (a fused multiply-add may round the fp32 sum differently: 1 ulp)
     one_ulp = dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(k_cache[slots], k_rot, **one_ulp)
+    assert torch.equal(v_cache[slots], v_new)
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], k_cache2[untouched]) and torch.equal(v_cache[untouched], v_cache2[untouched])
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     q2, k2 = rope.rotate_qk(q, k_new, cos_sin, positions)
     torch.testing.assert_close(q2, q_rot, **one_ulp)
@@ -155,4 +168,23 @@ def test_varlen_prefill_matches_reference():
     cu = torch.tensor([0, 5, 1005, 1082], dtype=torch.int32, device="cuda")
     got = torch.ops.tpweave.attention(q, k, v, cu, 128**-0.5)
     ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, 128**-0.5)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("lens", [[2048], [1, 7, 300, 129, 1000], [17] * 40, [0, 5, 0, 130, 0], [4096, 3]])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 16, 64), (8, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_prefill_matches_reference(lens, heads, kv_heads, head_dim, dtype):
+    """ops/flash_prefill.py's kernel == the per-sequence reference in fp32 over packed sequences of any length
+    (empty ones included), GQA groups of 1-8, q/k/v as strided views of one fused QKV tensor."""
+    from tpweave.ops import flash_prefill
+
+    gen = torch.Generator(device="cpu").manual_seed(len(lens) + heads)
+    m = sum(lens)
+    qkv = torch.randn(m, heads + 2 * kv_heads, head_dim, generator=gen).to("cuda", dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    got = flash_prefill.flash_prefill(q, k, v, cu, head_dim**-0.5)
+    ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, head_dim**-0.5)
+    assert got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

@@ -21,7 +21,7 @@ H100_H200 = GPUTarget("cuda", 90, 32)
 PTR = {"bfloat16": "*bf16", "float32": "*fp32"}
 
 
-def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int):
+def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int = 3):
     """The kernel compiled for sm_90a. arg_types: Triton type of every runtime argument ("*bf16", "i32", ...)."""
     missing = set(fn.arg_names) - set(arg_types) - set(constexprs)
     assert not missing, f"arguments without a type: {missing}"
@@ -29,12 +29,12 @@ def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps
     source = ASTSource(
         fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}
     )
-    return triton.compile(source, target=H100_H200, options={"num_warps": num_warps})
+    return triton.compile(source, target=H100_H200, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int) -> str:
+def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int = 3) -> str:
     """The kernel's PTX for sm_90a (compile_kernel)."""
-    return compile_kernel(fn, arg_types, constexprs, num_warps=num_warps).asm["ptx"]
+    return compile_kernel(fn, arg_types, constexprs, num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
 def loads_before_wait(kernel) -> bool:
@@ -140,14 +140,16 @@ def test_paged_decode_kernels_compile(group, head_dim, split):
     compile_for_gpu(merge, types, dict(SPLITS_PAD=8, HEAD_DIM=head_dim, PDL=True), num_warps=4)
 
 
+@pytest.mark.parametrize("store_kv", [False, True])
 @pytest.mark.parametrize("num_q,num_k,head_dim", [(32, 8, 128), (5, 1, 64)])
-def test_rope_qk_kernel_compiles(num_q, num_k, head_dim):
+def test_rope_qk_kernel_compiles(num_q, num_k, head_dim, store_kv):
     from tpweave.ops import rope
 
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16", cs_ptr="*fp32", pos_ptr="*i64")
+    ptrs |= dict(v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", slot_ptr="*i64")
     strides = {name: "i32" for name in rope._rope_qk_kernel.arg_names if name.startswith("stride_")}
     meta = dict(NUM_Q=num_q, NUM_K=num_k, Q_PAD=triton.next_power_of_2(num_q), K_PAD=triton.next_power_of_2(num_k))
-    meta |= dict(HEAD_DIM=head_dim, PDL=True)
+    meta |= dict(HEAD_DIM=head_dim, STORE_KV=store_kv, PDL=True)
     ptx = compile_for_gpu(rope._rope_qk_kernel, {**ptrs, **strides}, meta, num_warps=4)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
@@ -169,11 +171,11 @@ def test_gemv_kernels_compile(m, n, k, silu_mul):
             gemv._gemv_kernel, types, {**meta, "PREFETCH": t.prefetch, "PDL": pdl}, num_warps=t.num_warps
         )
         assert ("griddepcontrol.wait" in ptx) == pdl
-    if pdl:  # W's first tiles load before the wait, nothing at all without prefetch
-        for prefetch in (0, 1, 2):
+    if pdl:  # W's first tile loads before the wait, nothing at all without prefetch
+        for prefetch in (False, True):
             meta = dict(SILU_MUL=silu_mul, NORM=False, BLOCK_M=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
             kernel = compile_kernel(gemv._gemv_kernel, types, {**meta, "PREFETCH": prefetch, "PDL": True}, num_warps=4)
-            assert loads_before_wait(kernel) == (prefetch > 0), prefetch
+            assert loads_before_wait(kernel) == prefetch
     types = dict(x_ptr="*bf16", out_ptr="*bf16", K="i32", stride_xm="i32")
     compile_for_gpu(gemv._silu_mul_kernel, types, dict(BLOCK=1024, PDL=pdl), num_warps=4)
 
@@ -205,6 +207,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_rope_qk_kernel",
         "_gemv_kernel",
         "_silu_mul_kernel",
+        "_flash_prefill_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):
@@ -219,3 +222,17 @@ def test_every_tpweave_kernel_is_compiled_here():
             and obj.__module__ == info.name
         }
     assert found == tested, found ^ tested
+
+
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
+def test_flash_prefill_kernel_compiles(group, head_dim):
+    """The prefill attention kernel compiles for sm_90 at its default launch setting, waiting for the kernel before
+    it under PDL and using the tensor cores' warpgroup MMA (wgmma) for both products."""
+    from tpweave.ops import flash_prefill
+
+    fn, t = flash_prefill._flash_prefill_kernel, flash_prefill.DEFAULT_TUNING
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", num_seqs="i32")
+    types |= dict(qk_scale="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PDL=True)
+    ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+    assert "griddepcontrol.wait" in ptx and "wgmma.mma_async" in ptx

@@ -26,7 +26,7 @@ from tpweave.runtime.context import TPContext
 def use(gemv_tiles: int, decode_tile: bool, tuning_for) -> None:
     def one_row(m, n, k, **kw):  # tuning_for takes no prefetch above one row (shared memory)
         t = tuning_for(m, n, k, **kw)
-        return dataclasses.replace(t, prefetch=gemv_tiles) if m == 1 else t
+        return dataclasses.replace(t, prefetch=bool(gemv_tiles)) if m == 1 else t
 
     gemv.tuning_for = one_row
     paged_decode.DEFAULT_TUNING = dataclasses.replace(paged_decode.DecodeTuning(), prefetch=decode_tile)

@@ -1,7 +1,7 @@
 """Prefill attention of one fresh sequence (llama3-8b heads: 32 q, 8 kv, head dim 128, bf16, causal): cuDNN through
-SDPA (kv heads repeated) against FA2 varlen (what ops/attention.py runs). Per length: the first call (cuDNN builds an
-execution plan per shape), then the GPU time per call of 20 calls back to back (the host runs ahead, as in a
-forward), with the TFLOP/s of the causal half.
+SDPA (kv heads repeated) against FA2 varlen (what ops/attention.py ran before ops/flash_prefill.py). Per length: the
+first call (cuDNN builds an execution plan per shape), then the GPU time per call of 20 calls back to back (the host
+runs ahead, as in a forward), with the TFLOP/s of the causal half.
 
     python benchmarks/probes/prefill_attention_probe.py [--out FILE.json]
 """
@@ -11,8 +11,6 @@ import json
 import time
 
 import torch
-
-from tpweave.ops import attention
 
 LENGTHS = (512, 1000, 2048, 2049, 3001, 4096)
 
@@ -25,6 +23,14 @@ def cudnn_sdpa(q, k, v, scale):
     kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+
+
+def fa2_varlen(q, k, v, cu, scale):
+    """FA2 varlen through torch (what ops/attention.py ran before ops/flash_prefill.py)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    n = q.shape[0]
+    return varlen_attn(q, k, v, cu, cu, n, n, scale=scale, window_size=(-1, 0))
 
 
 def first_and_steady_ms(fn, calls: int = 20, reps: int = 5) -> tuple[float, float]:
@@ -57,7 +63,7 @@ def main() -> None:
         flops = 4 * n * (n + 1) / 2 * 32 * 128
         paths = {
             "cudnn_sdpa": lambda: cudnn_sdpa(q, k, v, 128**-0.5),
-            "fa2_varlen": lambda: attention._attention_cuda(q, k, v, cu, 128**-0.5),
+            "fa2_varlen": lambda: fa2_varlen(q, k, v, cu, 128**-0.5),
         }
         for name, fn in paths.items():
             first, ms = first_and_steady_ms(fn)

@@ -5,9 +5,9 @@ first step on, their contexts centered on C over the timed steps; wall time betw
 step() returns: host work, launch and the wait for the device, as a client sees it) next to the
 forward alone (the decode CUDA graph of that step replayed back to back) and the HBM roofline (every
 weight byte once + the K/V the step reads, at the GPU's HBM bandwidth). Kernels per step come from
-torch.profiler over steady steps. Prefill of N tokens: the compiled forward next to the matmul roofline
-(its FLOPs at the bf16 GEMM rate measured on this GPU in the same run), and the engine's time for a
-one-token request of N prompt tokens."""
+torch.profiler over steady steps. Prefill of N tokens: the compiled forward (calls back to back, the prefill
+throughput; one call from an idle GPU beside it) next to the matmul roofline (its FLOPs at the bf16 GEMM rate
+measured on this GPU in the same run), and the engine's time for a one-token request of N prompt tokens."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ from tpweave.runtime.context import TPContext
 
 # HBM bandwidth by GPU name (vendor datasheets, bytes/s); other GPUs: the copy bandwidth measured in the run.
 REPLAYS_PER_SAMPLE = 5  # back to back between two events: a replay's launch hides behind the one before
+# prefill forwards back to back per sample, as a stream of prefill steps runs (the host prepares and launches the next
+# one while the GPU runs this one); one call from an idle GPU is reported beside it (single_call_ms)
+CALLS_PER_PREFILL_SAMPLE = 3
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
 
 
@@ -221,8 +224,11 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
         seq = Sequence(prompt)
         engine.scheduler.blocks.grow(seq, num_tokens)
         args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)])
+        reps = max(settings.replays // 5, 5)
         with torch.no_grad():  # as the engine runs it (grad mode is part of the compiled graph's guards)
-            fwd_ms = _event_ms(lambda: runner.forward(*args), reps=max(settings.replays // 5, 5))
+            fwd_ms = _event_ms(lambda: [runner.forward(*args) for _ in range(CALLS_PER_PREFILL_SAMPLE)], reps=reps)
+            fwd_ms = [t / CALLS_PER_PREFILL_SAMPLE for t in fwd_ms]
+            single_ms = _event_ms(lambda: runner.forward(*args), reps=reps)
             _, names, kind_ms = count_kernels(lambda: runner.forward(*args), calls=2)
         engine.scheduler.blocks.free(seq)
         step_ms = []
@@ -236,6 +242,8 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
             "tokens": num_tokens,
             "forward_ms": median(fwd_ms),
             "forward_ms_samples": fwd_ms,
+            "single_call_ms": median(single_ms),
+            "single_call_ms_samples": single_ms,
             "request_ms": median(step_ms),
             "request_ms_samples": step_ms,
             "roofline_ms": roofline,

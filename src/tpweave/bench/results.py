@@ -85,8 +85,8 @@ SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_faile
 ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_ms", "step_over_forward", "roofline_ms",
                          "of_roofline", "gemm_ms", "attention_ms", "other_ms", "kernels_per_step",
                          "kernels_per_forward", "graph_bucket"]  # fmt: skip
-ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "request_ms", "roofline_ms", "of_roofline", "tokens_per_s", "gemm_ms",
-                          "attention_ms", "other_ms"]  # fmt: skip
+ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "single_call_ms", "request_ms", "roofline_ms", "of_roofline",
+                          "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tpweave.ops import paged_decode, rope
+from tpweave.ops import flash_prefill, paged_decode, rope
 
 
 def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
@@ -28,25 +28,17 @@ def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens
     return out
 
 
-def _attention_cuda(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    # max_seqlen <= tokens: an upper bound keeps the op free of host syncs and of per-batch recompiles.
-    num_tokens = q_MHD.shape[0]
-    out = varlen_attn(
-        q_MHD, k_MKD, v_MKD, cu_seqlens, cu_seqlens, num_tokens, num_tokens, scale=scale, window_size=(-1, 0)
-    )
-    return out.contiguous()
-
-
 @torch.library.custom_op("tpweave::attention", mutates_args=())
 def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     """Causal attention within each sequence of the packed batch (module docstring: shapes); (M, H, D) in
-    q's dtype. Flash attention (varlen) on CUDA in fp16/bf16, a per-sequence reference otherwise."""
-    if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16):
-        return _attention_cuda(
-            q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens.to(torch.int32), scale
-        )
+    q's dtype. ops/flash_prefill.py's kernel on CUDA in fp16/bf16, a per-sequence reference otherwise."""
+    return _causal_attention(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
+
+
+def _causal_attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """The attention op's body, for callers already inside an op (no second dispatch)."""
+    if flash_prefill.supported(q_MHD):
+        return flash_prefill.flash_prefill(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
     return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
 
 
@@ -87,32 +79,25 @@ def paged_attention(
         raise ValueError("paged_attention: cos_sin and positions go together (RoPE inside the op) or not at all")
     if fresh is not None and (fresh.device.type != "cpu" or fresh.numel() != 1):
         raise ValueError(f"paged_attention: fresh must be one bool on the CPU, got {fresh.numel()} on {fresh.device}")
-    if cos_sin is not None:
-        q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions)
     if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
         # one new token per sequence (shapes only, no host sync): KV write and attention in the Triton kernel
+        if cos_sin is not None:
+            q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions)
         return paged_decode.paged_decode(
             q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, scale
         )
-    k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+    if cos_sin is not None:  # RoPE and the KV write in one kernel on CUDA
+        q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions, store=(v_MKD, k_cache, v_cache, slot_mapping))
+    else:
+        k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
     if fresh is not None and bool(fresh):
-        return _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
+        return _causal_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
     if paged_decode.supported(q_MHD, k_cache):
         return _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
     return _paged_attention_reference(
         q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale
     )
-
-
-def _fresh_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale):
-    """Causal attention of sequences that are all new (no cached context): FA2 varlen over the packed batch on
-    CUDA, the reference elsewhere. (cuDNN's attention, through SDPA, is faster per call but builds an execution plan
-    per shape: 38-73 ms on the first call of each new prompt length; benchmarks/results/2026-12-02/probes/
-    prefill-attention-probe-1xH200.log.)"""
-    if not (q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16)):
-        return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
-    return _attention_cuda(q_MHD.contiguous(), k_MKD.contiguous(), v_MKD.contiguous(), cu_seqlens_q, scale)
 
 
 def _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale):

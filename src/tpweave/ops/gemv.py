@@ -44,14 +44,14 @@ KERNEL_MAX_ROWS = 128  # what the kernel itself takes (rows padded to a power of
 
 @dataclass(frozen=True)
 class GemvTuning:
-    """Launch parameters of one call: block_n columns per program, block_k of K per iteration, prefetch tiles of W
-    loaded before the PDL wait (0-2; ops/pdl.py)."""
+    """Launch parameters of one call: block_n columns per program, block_k of K per iteration; prefetch: the first
+    tile of W is loaded before the PDL wait (ops/pdl.py; one row only)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    prefetch: int = 0
+    prefetch: bool = False
 
 
 def tuning_for(m: int, n: int, k: int, *, silu_mul: bool = False) -> GemvTuning:
@@ -59,10 +59,10 @@ def tuning_for(m: int, n: int, k: int, *, silu_mul: bool = False) -> GemvTuning:
     (llama3-8b shapes, benchmarks/results/2026-12-02/probes/gemv-probe-1xH200.json) as a rule of N and K."""
     if m == 1:  # one tile of W before the PDL wait (benchmarks/probes/prefetch_probe.py)
         if k >= 8192:
-            return GemvTuning(block_n=8 if silu_mul else 16, block_k=1024, num_warps=4, num_stages=3, prefetch=1)
+            return GemvTuning(block_n=8 if silu_mul else 16, block_k=1024, num_warps=4, num_stages=3, prefetch=True)
         if n <= 8192:
-            return GemvTuning(block_n=8, block_k=512, num_warps=4, num_stages=3, prefetch=1)
-        return GemvTuning(block_n=16, block_k=256, num_warps=4, num_stages=2, prefetch=1)
+            return GemvTuning(block_n=8, block_k=512, num_warps=4, num_stages=3, prefetch=True)
+        return GemvTuning(block_n=16, block_k=256, num_warps=4, num_stages=2, prefetch=True)
     # above one row, no prefetch: a tile held across the wait costs the shared memory of a pipeline stage
     if m > 16:
         return GemvTuning(block_n=32, block_k=256, num_warps=4, num_stages=4)
@@ -155,25 +155,21 @@ if triton is not None:
         SILU_MUL: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        # The first PREFETCH tiles of W (0-2; no kernel writes W) are loaded before the PDL wait, so that they
-        # stream in while the kernel before this one finishes; the input x is read after it.
+        # With PREFETCH (one row only), the first tile of W (no kernel writes W) is loaded before the PDL wait, so
+        # that it streams in while the kernel before this one finishes; the input x is read after it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
         kk = tl.arange(0, BLOCK_K)
-        if PREFETCH >= 1:
+        if PREFETCH:
             w0 = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
-        if PREFETCH == 2:
-            w1 = tl.load(w_rows + BLOCK_K + kk[None, :], mask=col_ok[:, None] & (kk + BLOCK_K < K)[None, :], other=0.0)
         pdl.wait_and_release(PDL)
         if BLOCK_M == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             sq = tl.zeros([BLOCK_K], tl.float32)
-            if PREFETCH >= 1:
+            if PREFETCH:
                 acc, sq = _row_tile(acc, sq, w0, x_ptr, r_ptr, g_ptr, h_ptr, kk, K, SILU_MUL, NORM)
-            if PREFETCH == 2:
-                acc, sq = _row_tile(acc, sq, w1, x_ptr, r_ptr, g_ptr, h_ptr, kk + BLOCK_K, K, SILU_MUL, NORM)
-            for k0 in range(BLOCK_K * PREFETCH, K, BLOCK_K):
+            for k0 in range(BLOCK_K if PREFETCH else 0, K, BLOCK_K):
                 w = tl.load(w_rows + k0 + kk[None, :], mask=col_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
                 acc, sq = _row_tile(acc, sq, w, x_ptr, r_ptr, g_ptr, h_ptr, k0 + kk, K, SILU_MUL, NORM)
             y = tl.sum(acc, axis=1)
@@ -185,14 +181,7 @@ if triton is not None:
             row_ok = rows < M
             x_rows = x_ptr + rows[:, None] * stride_xm
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            if PREFETCH >= 1:
-                x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-                acc = tl.dot(x, tl.trans(w0), acc)
-            if PREFETCH == 2:
-                x = tl.load(x_rows + BLOCK_K + kk[None, :], mask=row_ok[:, None] & (kk + BLOCK_K < K)[None, :],
-                            other=0.0)  # fmt: skip
-                acc = tl.dot(x, tl.trans(w1), acc)
-            for k0 in range(BLOCK_K * PREFETCH, K, BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):
                 k_ok = k0 + kk < K
                 w = tl.load(w_rows + k0 + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + k0 + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -212,6 +201,7 @@ def gemv(x_MK: Tensor, w_NK: Tensor, *, silu_mul: bool = False, tuning: GemvTuni
     if w_NK.shape[1] != k:
         raise ValueError(f"gemv: x has {x_MK.shape[1]} columns, W has {w_NK.shape[1]} (silu_mul={silu_mul})")
     t = tuning or tuning_for(m, n, k, silu_mul=silu_mul)
+    assert m == 1 or not t.prefetch, "gemv: prefetch is for one row"
     y = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
     on = pdl.enabled(x_MK.device)
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](

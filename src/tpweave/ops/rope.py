@@ -48,10 +48,11 @@ if triton is not None:
 
     @triton.jit
     def _rope_qk_kernel(
-        q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, pos_ptr,
-        stride_qm, stride_qh, stride_km, stride_kh, stride_cs,
+        q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, pos_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+        stride_qm, stride_qh, stride_km, stride_kh, stride_cs, stride_vm, stride_vh, stride_kcs, stride_kch,
+        stride_vcs, stride_vch,
         NUM_Q: tl.constexpr, NUM_K: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PDL: tl.constexpr,
+        STORE_KV: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl.wait_and_release(PDL)
         m = tl.program_id(0)
@@ -62,14 +63,30 @@ if triton is not None:
         offs = m * NUM_Q * HEAD_DIM + hq[:, None] * HEAD_DIM + d[None, :]
         tl.store(qo_ptr + offs, q.to(qo_ptr.dtype.element_ty), mask=(hq < NUM_Q)[:, None])
         hk = tl.arange(0, K_PAD)
+        k_ok = (hk < NUM_K)[:, None]
         k = rotated_heads(k_ptr + m * stride_km, stride_kh, hk, hk < NUM_K, cs_ptr, pos, stride_cs, HEAD_DIM)
         offs = m * NUM_K * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :]
-        tl.store(ko_ptr + offs, k.to(ko_ptr.dtype.element_ty), mask=(hk < NUM_K)[:, None])
+        tl.store(ko_ptr + offs, k.to(ko_ptr.dtype.element_ty), mask=k_ok)
+        if STORE_KV:  # the token's K and V into the page pool at its slot
+            slot = tl.load(slot_ptr + m).to(tl.int64)
+            tl.store(kc_ptr + slot * stride_kcs + hk[:, None] * stride_kch + d[None, :], k.to(kc_ptr.dtype.element_ty),
+                     mask=k_ok)  # fmt: skip
+            v = tl.load(v_ptr + m * stride_vm + hk[:, None] * stride_vh + d[None, :], mask=k_ok, other=0.0)
+            tl.store(vc_ptr + slot * stride_vcs + hk[:, None] * stride_vch + d[None, :], v.to(vc_ptr.dtype.element_ty),
+                     mask=k_ok)  # fmt: skip
 
 
-def rotate_qk(q_MHD: Tensor, k_MKD: Tensor, cos_sin_PD: Tensor, positions_M: Tensor) -> tuple[Tensor, Tensor]:
+def rotate_qk(
+    q_MHD: Tensor,
+    k_MKD: Tensor,
+    cos_sin_PD: Tensor,
+    positions_M: Tensor,
+    *,
+    store: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """(rotate(q), rotate(k)), contiguous: one Triton kernel on CUDA (head dim a power of 2, last dims
-    contiguous), the torch form elsewhere."""
+    contiguous), the torch form elsewhere. With store = (v_MKD, k_cache, v_cache, slot_mapping_M), the rotated k
+    and v of token m are also written to the caches (num_slots, K, D) at slot_mapping[m], in the same kernel."""
     d = q_MHD.shape[-1]
     if not (
         triton is not None
@@ -78,19 +95,27 @@ def rotate_qk(q_MHD: Tensor, k_MKD: Tensor, cos_sin_PD: Tensor, positions_M: Ten
         and q_MHD.stride(-1) == 1
         and k_MKD.stride(-1) == 1
         and cos_sin_PD.stride(-1) == 1
+        and (store is None or all(t.stride(-1) == 1 for t in store[:3]))
     ):
-        return rotate(q_MHD, cos_sin_PD, positions_M), rotate(k_MKD, cos_sin_PD, positions_M)
+        q_out, k_out = rotate(q_MHD, cos_sin_PD, positions_M), rotate(k_MKD, cos_sin_PD, positions_M)
+        if store is not None:
+            v_MKD, k_cache, v_cache, slots = store
+            k_cache.index_copy_(0, slots, k_out.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v_MKD.to(v_cache.dtype))
+        return q_out, k_out
     q_out, k_out = (
         torch.empty(q_MHD.shape, dtype=q_MHD.dtype, device=q_MHD.device),
         torch.empty(k_MKD.shape, dtype=k_MKD.dtype, device=k_MKD.device),
     )
     if q_MHD.shape[0]:
         num_q, num_k = q_MHD.shape[1], k_MKD.shape[1]
+        v, kc, vc, slots = store if store is not None else (k_MKD, k_out, k_out, positions_M)  # unread when not storing
         on = pdl.enabled(q_MHD.device)
         _rope_qk_kernel[(q_MHD.shape[0],)](
-            q_MHD, k_MKD, q_out, k_out, cos_sin_PD, positions_M,
+            q_MHD, k_MKD, q_out, k_out, cos_sin_PD, positions_M, v, kc, vc, slots,
             q_MHD.stride(0), q_MHD.stride(1), k_MKD.stride(0), k_MKD.stride(1), cos_sin_PD.stride(0),
+            v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             NUM_Q=num_q, NUM_K=num_k, Q_PAD=triton.next_power_of_2(num_q), K_PAD=triton.next_power_of_2(num_k),
-            HEAD_DIM=d, PDL=on, num_warps=4, launch_pdl=on,
+            HEAD_DIM=d, STORE_KV=store is not None, PDL=on, num_warps=4, launch_pdl=on,
         )  # fmt: skip
     return q_out, k_out
