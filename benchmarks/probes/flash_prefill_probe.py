@@ -26,6 +26,10 @@ SETTINGS = (
     flash_prefill.PrefillTuning(128, 32, 4, 3),
     flash_prefill.PrefillTuning(64, 64, 4, 3),
     flash_prefill.PrefillTuning(64, 64, 4, 4),
+    flash_prefill.PrefillTuning(64, 64, 4, 2),
+    flash_prefill.PrefillTuning(64, 128, 4, 3),
+    flash_prefill.PrefillTuning(64, 32, 4, 3),
+    flash_prefill.PrefillTuning(64, 64, 8, 3),
 )
 SCALE = 128**-0.5
 
@@ -141,20 +145,25 @@ def main() -> None:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--skip-forward", action="store_true")
     args = parser.parse_args()
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not args.skip_kernels:
         record["kernels"] = kernel_rows()
-    record["forward"] = forward_breakdown(args.model, args.tokens)
-    f = record["forward"]
+    if not args.skip_forward:
+        record["forward"] = forward_breakdown(args.model, args.tokens)
+        _print_forward(record["forward"])
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=1)
+
+
+def _print_forward(f: dict) -> None:
     print({k: v for k, v in f.items() if not isinstance(v, (dict, list))})
     for name, ms in f["by_name_ms"].items():
         print(f"  {ms:8.3f} ms {name}")
     for pair, v in f["gaps_by_neighbours_us"].items():
         print(f"  gaps {v} {pair}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(record, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -67,12 +67,26 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / (median(ms) / 1e3)
 
 
+class MatmulRate:
+    """Samples of the FLOP/s of an n x n x n matmul in dtype (three back to back per sample): the practical matmul
+    peak of this GPU."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, n: int = 8192):
+        self.n = n
+        self.a = torch.randn(n, n, device=device, dtype=dtype)
+        self.b = torch.randn(n, n, device=device, dtype=dtype)
+        self.a @ self.b
+
+    def rate(self) -> float:
+        """One sample, FLOP/s."""
+        ms = time_call(lambda: [self.a @ self.b for _ in range(3)], inner=1, on_cuda=True) / 3
+        return 2 * self.n**3 / (ms / 1e3)
+
+
 def gemm_flops_per_s(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
-    """FLOP/s of an n x n x n matmul in dtype: the practical matmul peak of this GPU."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = _event_ms(lambda: a @ b, reps=20)
-    return 2 * n**3 / (median(ms) / 1e3)
+    """The median of 20 MatmulRate samples."""
+    matmul = MatmulRate(device, dtype, n)
+    return median([matmul.rate() for _ in range(20)])
 
 
 def _event_ms(fn, *, reps: int, warmup: int = 3) -> list[float]:
@@ -214,8 +228,9 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
     return rows
 
 
-def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, peak: float) -> list[dict]:
+def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings) -> list[dict]:
     rows = []
+    matmul = MatmulRate(ctx.device, engine.runner.dtype)
     runner, model = engine.runner, engine.runner.model
     rng = random.Random(1)
     for num_tokens in settings.prefill:
@@ -224,11 +239,18 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
         seq = Sequence(prompt)
         engine.scheduler.blocks.grow(seq, num_tokens)
         args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)])
-        reps = max(settings.replays // 5, 5)
+        calls = CALLS_PER_PREFILL_SAMPLE
         with torch.no_grad():  # as the engine runs it (grad mode is part of the compiled graph's guards)
-            fwd_ms = _event_ms(lambda: [runner.forward(*args) for _ in range(CALLS_PER_PREFILL_SAMPLE)], reps=reps)
-            fwd_ms = [t / CALLS_PER_PREFILL_SAMPLE for t in fwd_ms]
-            single_ms = _event_ms(lambda: runner.forward(*args), reps=reps)
+            for _ in range(2):
+                runner.forward(*args)
+            # the matmul rate sampled between the forward's samples: the GPU's clocks move with its power and
+            # temperature, and the roofline is taken under the conditions the forward ran in
+            fwd_ms, peaks = [], []
+            for _ in range(max(settings.replays // 5, 5)):
+                fwd_ms.append(time_call(lambda: [runner.forward(*args) for _ in range(calls)], inner=1, on_cuda=True))
+                peaks.append(matmul.rate())
+            fwd_ms = [t / calls for t in fwd_ms]
+            single_ms = _event_ms(lambda: runner.forward(*args), reps=len(fwd_ms))
             _, names, kind_ms = count_kernels(lambda: runner.forward(*args), calls=2)
         engine.scheduler.blocks.free(seq)
         step_ms = []
@@ -236,7 +258,7 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
             t = time.perf_counter()
             engine.generate([prompt], SamplingParams(max_tokens=1))
             step_ms.append((time.perf_counter() - t) * 1e3)
-        roofline = prefill_flops(model, num_tokens) / peak * 1e3
+        roofline = prefill_flops(model, num_tokens) / median(peaks) * 1e3
         rows.append({
             "what": "engine_prefill",
             "tokens": num_tokens,
@@ -249,6 +271,8 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
             "roofline_ms": roofline,
             "of_roofline": roofline / median(fwd_ms),
             "tokens_per_s": num_tokens / (median(fwd_ms) / 1e3),
+            "matmul_flops_per_s": median(peaks),
+            "matmul_flops_per_s_samples": peaks,
             **{f"{kind}_ms": v for kind, v in kind_ms.items()},
             "forward_kernels": names,
         })  # fmt: skip
@@ -283,13 +307,13 @@ def bench_engine(
     dev = ctx.device
     hbm, hbm_source = hbm_bandwidth(dev)
     peak = gemm_flops_per_s(dev, dtype)
-    rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings, peak)
+    rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings)
     report = getattr(engine.runner.forward, "compile_report", None)
     record = {
         "hbm_bytes_per_s": hbm,
         "hbm_source": hbm_source,
         "copy_bytes_per_s": copy_bandwidth(dev),
-        "matmul_flops_per_s": peak,
+        "matmul_flops_per_s": peak,  # at the start of the run; each prefill row has its own (sampled alongside it)
         "engine_build_s": build_s,
         "engine": {k: str(v) for k, v in kwargs.items()},
         "async_scheduling": engine.config.async_scheduling,
