@@ -27,7 +27,7 @@ SETTINGS = (
     flash_prefill.PrefillTuning(64, 64, 4, 3),
     flash_prefill.PrefillTuning(64, 64, 4, 4),
     flash_prefill.PrefillTuning(64, 64, 4, 2),
-    flash_prefill.PrefillTuning(64, 128, 4, 3),
+    flash_prefill.PrefillTuning(128, 64, 8, 4),
     flash_prefill.PrefillTuning(64, 32, 4, 3),
     flash_prefill.PrefillTuning(64, 64, 8, 3),
 )
