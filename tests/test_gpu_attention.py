@@ -188,3 +188,19 @@ def test_flash_prefill_matches_reference(lens, heads, kv_heads, head_dim, dtype)
     ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, head_dim**-0.5)
     assert got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_op_takes_head_dims_the_triton_kernel_does_not():
+    """A head dim that is no power of 2 (80, 96: Phi-style models) goes to FA2 varlen, same numbers as the
+    reference."""
+    from tpweave.ops import flash_prefill
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    for head_dim in (80, 96):
+        q = torch.randn(300, 8, head_dim, generator=gen).cuda().bfloat16()
+        k, v = (torch.randn(300, 2, head_dim, generator=gen).cuda().bfloat16() for _ in range(2))
+        cu = torch.tensor([0, 7, 300], dtype=torch.int32, device="cuda")
+        assert not flash_prefill.supported(q)
+        got = torch.ops.tpweave.attention(q, k, v, cu, head_dim**-0.5)
+        ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, head_dim**-0.5)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

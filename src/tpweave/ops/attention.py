@@ -31,7 +31,8 @@ def _attention_reference(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens
 @torch.library.custom_op("tpweave::attention", mutates_args=())
 def attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     """Causal attention within each sequence of the packed batch (module docstring: shapes); (M, H, D) in
-    q's dtype. ops/flash_prefill.py's kernel on CUDA in fp16/bf16, a per-sequence reference otherwise."""
+    q's dtype. ops/flash_prefill.py's kernel on CUDA in fp16/bf16 (FA2 varlen for head dims it does not take), a
+    per-sequence reference otherwise."""
     return _causal_attention(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
 
 
@@ -39,6 +40,13 @@ def _causal_attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: T
     """The attention op's body, for callers already inside an op (no second dispatch)."""
     if flash_prefill.supported(q_MHD):
         return flash_prefill.flash_prefill(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
+    if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16):  # e.g. head dims 80 or 96: FA2 varlen
+        from torch.nn.attention.varlen import varlen_attn
+
+        num_tokens = q_MHD.shape[0]  # an upper bound of max_seqlen: no host sync, no per-batch recompile
+        q, k, v = (t.contiguous() for t in (q_MHD, k_MKD, v_MKD))
+        cu = cu_seqlens.to(torch.int32)
+        return varlen_attn(q, k, v, cu, cu, num_tokens, num_tokens, scale=scale, window_size=(-1, 0)).contiguous()
     return _attention_reference(q_MHD, k_MKD, v_MKD, cu_seqlens, scale)
 
 
