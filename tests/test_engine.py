@@ -221,7 +221,7 @@ def test_paged_attention_with_rope_inside_equals_rope_then_attention_on_cpu():
     q_rot, k_rot = rope.rotate(q, cos_sin, positions), rope.rotate(k, cos_sin, positions)
     want = torch.ops.tpweave.paged_attention(q_rot, k_rot, v, *caches, slots, cu, ctx, tables, bs, 0.25)
     torch.testing.assert_close(got, want)
-    assert torch.equal(k_cache[slots], k_rot)
+    assert torch.equal(k_cache[slots], k_rot) and torch.equal(v_cache[slots], v)  # written by rotate_qk's store
     with pytest.raises(ValueError, match="cos_sin and positions go together"):
         torch.ops.tpweave.paged_attention(q, k, v, k_cache, v_cache, slots, cu, ctx, tables, bs, 0.25, cos_sin)
 
