@@ -204,3 +204,41 @@ def test_attention_op_takes_head_dims_the_triton_kernel_does_not():
         got = torch.ops.tpweave.attention(q, k, v, cu, head_dim**-0.5)
         ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, head_dim**-0.5)
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    # the paged op too: decodes and a chunk after cached context, through the gathered context and FA2
+    for head_dim in (80, 96):
+        args = _paged_case([1, 1, 200], [50, 700, 1200], heads=8, kv_heads=2, head_dim=head_dim)
+        q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
+        got = torch.ops.tpweave.paged_attention(q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale)
+        ref = attention._paged_attention_reference(
+            q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs, scale
+        )
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens",
+    [
+        ([1] * 64, [17 + 31 * i for i in range(64)]),  # decodes only: 16-row blocks
+        ([1] * 40 + [2000], [1024] * 40 + [4048]),  # decodes mixed with a long chunk after cached context
+        ([37, 1, 300, 0], [37, 900, 812, 5]),  # fresh, decode, chunk, a sequence with no new token
+        ([64, 65, 63], [64, 1089, 127]),  # chunks at and around block boundaries
+        ([2048], [2048]),  # fresh, read back from the pool
+        ([5] * 30, [1500] * 30),  # short chunks after long context (e.g. speculative tokens)
+    ],
+)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (8, 8, 64, 32), (16, 2, 256, 16)])
+def test_paged_prefill_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size):
+    """ops/flash_prefill.py's paged kernel (keys read in place from the page pool through the block table) == the
+    per-sequence reference in fp32, with both of its row blocks (16 and 64) on every case and q a strided view of a
+    fused QKV tensor."""
+    from tpweave.ops import flash_prefill
+
+    args = _paged_case(q_lens, ctx_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
+    k_cache[slots], v_cache[slots] = k_new, v_new
+    q = torch.cat([q, k_new, v_new], dim=1)[:, :heads]
+    ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs, scale)
+    for tuning in (flash_prefill.SHORT_ROWS_TUNING, flash_prefill.DEFAULT_TUNING, None):
+        got = flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs, scale, tuning=tuning)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

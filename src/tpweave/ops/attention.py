@@ -101,7 +101,12 @@ def paged_attention(
         v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
     if fresh is not None and bool(fresh):
         return _causal_attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale)
-    if paged_decode.supported(q_MHD, k_cache):
+    if flash_prefill.paged_supported(q_MHD, k_cache):
+        return flash_prefill.paged_prefill(
+            q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale
+        )
+    if q_MHD.is_cuda and q_MHD.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q_MHD.dtype:
+        # e.g. head dims 80 or 96: the context gathered out of the pool, then FA2 varlen
         return _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale)
     return _paged_attention_reference(
         q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale

@@ -6,6 +6,10 @@ head, and walks that sequence's keys up to its diagonal: the blocks left of the 
 block masked. Programs map to (sequence, query block) with no host sync: sequence b's blocks are programs
 cu_seqlens[b] // BLOCK_M + b onwards (at most M // BLOCK_M + B programs in all, the unused ones return at once),
 found by a binary search over cu_seqlens; the last query blocks (the most keys) are launched first.
+
+`paged_prefill` is the same walk over a paged KV cache, for steps where some sequence has cached context (chunked
+prefill, decodes mixed with prefill chunks): the new tokens of sequence b are its last ones, keys come from the page
+pool through the block table (ops/paged_decode.py's tile loader), and no context is gathered first.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tpweave.ops import pdl
+from tpweave.ops import paged_decode, pdl
 
 try:
     import triton
@@ -69,6 +73,20 @@ if triton is not None:
         return lo
 
     @triton.jit
+    def _attend(q, k_DN, v_ND, m_i, l_i, acc, qk_scale, visible, MASKED: tl.constexpr):
+        """Online softmax (base 2: qk_scale holds log2 e): the running max m_i, sum l_i and output acc of q's rows
+        after one more tile of keys (K transposed, (D, BLOCK_N)); with MASKED, only where `visible`."""
+        s = tl.dot(q, k_DN) * qk_scale
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v_ND.dtype), v_ND, acc * alpha[:, None])
+        return m_new, l_i, acc
+
+    @triton.jit
     def _flash_prefill_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, num_seqs, qk_scale,
         stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
@@ -96,32 +114,64 @@ if triton is not None:
             diagonal = q_block * BLOCK_M  # keys before it are seen by every query of the block, and all exist
             for n in range(0, diagonal, BLOCK_N):
                 k = tl.load(k_base + (n + offs_n)[None, :] * stride_km + d[:, None])  # (D, BLOCK_N)
-                s = tl.dot(q, k) * qk_scale
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(v_base + (n + offs_n)[:, None] * stride_vm + d[None, :])
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-                m_i = m_new
+                m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, None, False)
             # the diagonal block: key j is seen by query i when j <= i (and j exists); key `diagonal` is seen by
             # every row, padding rows included, so no row is all -inf
             for n in range(diagonal, tl.minimum(diagonal + BLOCK_M, seq_len), BLOCK_N):
                 key = n + offs_n
                 key_ok = key < seq_len
                 k = tl.load(k_base + key[None, :] * stride_km + d[:, None], mask=key_ok[None, :], other=0.0)
-                s = tl.dot(q, k) * qk_scale
-                s = tl.where((key[None, :] <= offs_m[:, None]) & key_ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(v_base + key[:, None] * stride_vm + d[None, :], mask=key_ok[:, None], other=0.0)
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-                m_i = m_new
+                visible = (key[None, :] <= offs_m[:, None]) & key_ok[None, :]
+                m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, visible, True)
             out = acc / l_i[:, None]
             o_ptrs = o_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_om + head * stride_oh + d[None, :]
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, num_seqs, qk_scale, block_size,
+        stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_om, stride_oh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+        head = tl.program_id(1)
+        pdl.wait_and_release(PDL)
+        seq = _sequence_of(cu_ptr, pid, num_seqs, BLOCK_M)
+        start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - start
+        q_block = pid - (start // BLOCK_M + seq)
+        if q_block * BLOCK_M < q_len:
+            kv_len = tl.load(ctx_ptr + seq)
+            offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            pos_m = kv_len - q_len + offs_m  # query i of the sequence sits at position kv_len - q_len + i
+            d = tl.arange(0, HEAD_DIM)
+            q_ptrs = q_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_qm + head * stride_qh + d[None, :]
+            q = tl.load(q_ptrs, mask=(offs_m < q_len)[:, None], other=0.0)
+            kv_head = head // GROUP
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            first = kv_len - q_len + q_block * BLOCK_M  # keys before it are seen by every query of the block
+            unmasked_end = first // BLOCK_N * BLOCK_N
+            for n in range(0, unmasked_end, BLOCK_N):
+                k, v, _ = paged_decode._kv_tile(k_ptr, v_ptr, tables_ptr, seq, kv_head, n + tl.arange(0, BLOCK_N),
+                                                kv_len, block_size, stride_tb, stride_ks, stride_kh, stride_vs,
+                                                stride_vh, d)  # fmt: skip
+                m_i, l_i, acc = _attend(q, tl.trans(k), v, m_i, l_i, acc, qk_scale, None, False)
+            # then up to the block's last query, causally; key `first` is seen by every row, padding rows (past the
+            # sequence: positions >= kv_len) included, so no row is all -inf
+            for n in range(unmasked_end, tl.minimum(first + BLOCK_M, kv_len), BLOCK_N):
+                key = n + tl.arange(0, BLOCK_N)
+                k, v, key_ok = paged_decode._kv_tile(k_ptr, v_ptr, tables_ptr, seq, kv_head, key, kv_len, block_size,
+                                                     stride_tb, stride_ks, stride_kh, stride_vs, stride_vh,
+                                                     d)  # fmt: skip
+                visible = (key[None, :] <= pos_m[:, None]) & key_ok[None, :]
+                m_i, l_i, acc = _attend(q, tl.trans(k), v, m_i, l_i, acc, qk_scale, visible, True)
+            out = acc / l_i[:, None]
+            o_ptrs = o_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_om + head * stride_oh + d[None, :]
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def flash_prefill(
@@ -151,6 +201,61 @@ def flash_prefill(
         q_MHD, k_MKD, v_MKD, out, cu, num_seqs, scale * math.log2(math.e),
         q_MHD.stride(0), q_MHD.stride(1), k_MKD.stride(0), k_MKD.stride(1), v_MKD.stride(0), v_MKD.stride(1),
         out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, PDL=on,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=on,
+    )  # fmt: skip
+    return out
+
+
+# rows of 16 where the sequences are short (decodes, small chunks): a 64-row block would compute 4x the products
+SHORT_ROWS_TUNING = PrefillTuning(block_m=16, block_n=64, num_warps=4, num_stages=3)
+
+
+def paged_tuning(num_tokens: int, num_seqs: int) -> PrefillTuning:
+    """Launch parameters of paged_prefill from shapes only: 16-row blocks where the sequences average fewer than
+    32 new tokens, the fresh kernel's setting otherwise."""
+    return SHORT_ROWS_TUNING if num_tokens < 32 * max(num_seqs, 1) else DEFAULT_TUNING
+
+
+def paged_supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
+    """Whether paged_prefill takes these inputs: `supported` q, a cache of q's dtype with a contiguous head dim."""
+    return supported(q_MHD) and k_cache.dtype == q_MHD.dtype and k_cache.stride(-1) == 1
+
+
+def paged_prefill(
+    q_MHD: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    context_lens: Tensor,
+    block_tables: Tensor,
+    block_size: int,
+    scale: float,
+    *,
+    tuning: PrefillTuning | None = None,
+) -> Tensor:
+    """Causal attention of each sequence's new tokens (rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q, at positions
+    context_lens[b] - n_b onwards) over its first context_lens[b] positions in the page pool (k_cache / v_cache
+    (slots, K, D), slot = block_tables[b, pos // block_size] * block_size + pos % block_size), read in place: no
+    gather of the context. Decodes, chunks after cached context and fresh sequences mixed in one launch; the new
+    tokens' K/V must be in the pool already. (M, H, D) contiguous in q's dtype; CUDA only (`paged_supported`)."""
+    num_tokens, num_heads, head_dim = q_MHD.shape
+    num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0
+    tuning = tuning or paged_tuning(num_tokens, num_seqs)
+    q_MHD = q_MHD if q_MHD.stride(-1) == 1 else q_MHD.contiguous()
+    out = torch.empty(q_MHD.shape, dtype=q_MHD.dtype, device=q_MHD.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    on = pdl.enabled(q_MHD.device)
+    grid = (triton.cdiv(num_tokens, tuning.block_m) + num_seqs, num_heads)
+    _paged_prefill_kernel[grid](
+        q_MHD, k_cache, v_cache, out, cu, ctx, block_tables, num_seqs, scale * math.log2(math.e), block_size,
+        q_MHD.stride(0), q_MHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, PDL=on,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=on,
     )  # fmt: skip
