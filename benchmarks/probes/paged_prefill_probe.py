@@ -115,7 +115,7 @@ def mixed_forward_rows(model: str) -> list[dict]:
             with torch.no_grad():
                 for _ in range(3):
                     fwd()
-                ms = [time_call(fwd, inner=3, on_cuda=True) / 3 for _ in range(7)]
+                ms = [time_call(fwd, inner=3, on_cuda=True) for _ in range(7)]  # per call
             rows.append(dict(case=name, path=path, forward_ms=median(ms), forward_ms_samples=ms))
             print(rows[-1], flush=True)
         flash_prefill.paged_supported = PAGED_SUPPORTED
