@@ -239,14 +239,18 @@ def test_flash_prefill_kernel_compiles(group, head_dim):
     assert "griddepcontrol.wait" in ptx and "wgmma.mma_async" in ptx
 
 
-@pytest.mark.parametrize("group,head_dim,block_m", [(4, 128, 64), (4, 128, 16), (1, 64, 64), (8, 256, 16)])
+@pytest.mark.parametrize(
+    "group,head_dim,block_m", [(4, 128, 64), (4, 128, 16), (4, 128, 128), (1, 64, 64), (8, 256, 16)]
+)
 def test_paged_prefill_kernel_compiles(group, head_dim, block_m):
-    """The paged prefill kernel compiles for sm_90 at both of its row blocks, waiting under PDL and using the tensor
+    """The paged prefill kernel compiles for sm_90 at each of its row blocks, waiting under PDL and using the tensor
     cores: warpgroup MMA (wgmma) at 64 rows, mma.sync at 16 (below a warpgroup's 64)."""
     from tpweave.ops import flash_prefill
 
     fn = flash_prefill._paged_prefill_kernel
-    t = flash_prefill.SHORT_ROWS_TUNING if block_m == 16 else flash_prefill.DEFAULT_TUNING
+    t = {16: flash_prefill.SHORT_ROWS_TUNING, 64: flash_prefill.DEFAULT_TUNING, 128: flash_prefill.LONG_ROWS_TUNING}[
+        block_m
+    ]
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
     types |= dict(tables_ptr="*i32", num_seqs="i32", qk_scale="fp32", block_size="i32")
     types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}

@@ -209,14 +209,20 @@ def flash_prefill(
 
 # blocks of 16 rows where most sequences have one new token (decodes): a 64-row block computes 64 rows for it
 SHORT_ROWS_TUNING = PrefillTuning(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# blocks of 128 rows for long chunks (their keys read half as often as with 64)
+LONG_ROWS_TUNING = PrefillTuning(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
 def paged_tuning(num_tokens: int, num_seqs: int) -> PrefillTuning:
-    """Launch parameters of paged_prefill from shapes only: 16-row blocks where the sequences average fewer than 4
-    new tokens, the fresh kernel's setting otherwise. On one H200 (benchmarks/probes/paged_prefill_probe.py, llama3-8b
-    heads): 64 decodes at context 1024 take 0.256 ms in 16-row blocks against 0.308 in 64-row ones, 255 decodes and a
-    64-token chunk 0.98 against 1.34; with a 2000-token chunk among 64 decodes 64-row blocks win, 0.47 against 0.67."""
-    return SHORT_ROWS_TUNING if num_tokens < 4 * max(num_seqs, 1) else DEFAULT_TUNING
+    """Launch parameters of paged_prefill from shapes only, by the new tokens per sequence on average: below 4,
+    16-row blocks; from 1024, 128-row blocks; the fresh kernel's setting between. On one H200
+    (benchmarks/probes/paged_prefill_probe.py, llama3-8b heads): 64 decodes at context 1024 take 0.25 ms in 16-row
+    blocks against 0.31 in 64-row ones; a 2000-token chunk among 64 decodes is faster in 64-row blocks (0.47 against
+    0.67 and 0.70 in 16 or 128), a 2048-token chunk after 6144 cached tokens in 128-row ones (0.89 against 0.96)."""
+    per_seq = num_tokens / max(num_seqs, 1)
+    if per_seq < 4:
+        return SHORT_ROWS_TUNING
+    return LONG_ROWS_TUNING if per_seq >= 1024 else DEFAULT_TUNING
 
 
 def paged_supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
