@@ -1,5 +1,6 @@
-"""GPU attention paths against the reference: varlen prefill, paged prefill/mixed (FA2 over packed
-context), paged decode (Triton, split context), with GQA and block tables in random order."""
+"""GPU attention paths against the reference: fresh prefill (Triton flash kernel), paged prefill/mixed (the Triton
+kernel over the page pool; FA2 over packed context for other head dims), paged decode (Triton, split context), with
+GQA and block tables in random order."""
 
 import functools
 

@@ -132,7 +132,8 @@ def _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_le
 
 
 def _paged_prefill_cuda(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, block_size, scale):
-    """Prefill and mixed steps: pack each sequence's context out of the page pool, then FA2 varlen.
+    """Steps with cached context at head dims the Triton kernel does not take (e.g. 80, 96): pack each sequence's
+    context out of the page pool, then FA2 varlen.
 
     Sizes come from shapes only (no host sync): the packed buffer has B * L + 1 rows for L = the
     block table's span; sequence b's context goes to rows cu_k[b]:cu_k[b+1], the rest of the B x L
