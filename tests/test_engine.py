@@ -244,14 +244,12 @@ def test_fresh_paged_attention_equals_the_gathering_path_on_cpu():
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])  # the same K/V written
 
 
-def test_paged_prefill_launch_setting_follows_the_rows_per_sequence():
-    """The paged kernel's row block from shapes only: 16 for decodes, 128 for long chunks, the fresh kernel's 64
-    between (a mixed step of decodes and one long prompt included)."""
+def test_paged_prefill_launch_setting_of_long_rows():
+    """The paged kernel's row block for sequences of SHORT_ROWS new tokens or more, from shapes only: 128 where they
+    average 1024 new tokens, the fresh kernel's 64 below (short rows have their own launch, GQA packed)."""
     from tpweave.ops import flash_prefill as fp
 
-    assert fp.paged_tuning(64, 64) is fp.SHORT_ROWS_TUNING
-    assert fp.paged_tuning(255 + 64, 256) is fp.SHORT_ROWS_TUNING
-    assert fp.paged_tuning(64 + 2000, 65) is fp.DEFAULT_TUNING
-    assert fp.paged_tuning(16 * 128, 16) is fp.DEFAULT_TUNING
-    assert fp.paged_tuning(2048, 1) is fp.LONG_ROWS_TUNING
-    assert fp.paged_tuning(0, 0) is fp.SHORT_ROWS_TUNING
+    assert fp.SHORT_ROWS_TUNING.pack_gqa and fp.SHORT_ROWS_TUNING.block_m == 16
+    assert fp.long_rows_tuning(64 + 2000, 65) is fp.DEFAULT_TUNING
+    assert fp.long_rows_tuning(16 * 128, 16) is fp.DEFAULT_TUNING
+    assert fp.long_rows_tuning(2048, 1) is fp.LONG_ROWS_TUNING

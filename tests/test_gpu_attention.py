@@ -2,6 +2,7 @@
 kernel over the page pool; FA2 over packed context for other head dims), paged decode (Triton, split context), with
 GQA and block tables in random order."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -230,7 +231,8 @@ def test_attention_op_takes_head_dims_the_triton_kernel_does_not():
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (8, 8, 64, 32), (16, 2, 256, 16)])
 def test_paged_prefill_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size):
     """ops/flash_prefill.py's paged kernel (keys read in place from the page pool through the block table) == the
-    per-sequence reference in fp32, with each of its row blocks (16, 64 and 128) on every case and q a strided view of a
+    per-sequence reference in fp32, with each of its row blocks (16 with and without GQA packing, 64, 128) and the
+    two-launch plan (None) on every case and q a strided view of a
     fused QKV tensor."""
     from tpweave.ops import flash_prefill
 
@@ -239,7 +241,8 @@ def test_paged_prefill_matches_reference(q_lens, ctx_lens, heads, kv_heads, head
     k_cache[slots], v_cache[slots] = k_new, v_new
     q = torch.cat([q, k_new, v_new], dim=1)[:, :heads]
     ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs, scale)
-    for tuning in (flash_prefill.SHORT_ROWS_TUNING, flash_prefill.DEFAULT_TUNING, flash_prefill.LONG_ROWS_TUNING, None):
+    tunings = [flash_prefill.SHORT_ROWS_TUNING, dataclasses.replace(flash_prefill.SHORT_ROWS_TUNING, pack_gqa=False)]
+    for tuning in [*tunings, flash_prefill.DEFAULT_TUNING, flash_prefill.LONG_ROWS_TUNING, None]:
         got = flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs, scale, tuning=tuning)
         assert got.is_contiguous()
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

@@ -239,21 +239,26 @@ def test_flash_prefill_kernel_compiles(group, head_dim):
     assert "griddepcontrol.wait" in ptx and "wgmma.mma_async" in ptx
 
 
-@pytest.mark.parametrize(
-    "group,head_dim,block_m", [(4, 128, 64), (4, 128, 16), (4, 128, 128), (1, 64, 64), (8, 256, 16)]
-)
-def test_paged_prefill_kernel_compiles(group, head_dim, block_m):
-    """The paged prefill kernel compiles for sm_90 at each of its row blocks, waiting under PDL and using the tensor
-    cores: warpgroup MMA (wgmma) at 64 rows, mma.sync at 16 (below a warpgroup's 64)."""
+PAGED_CASES = [(4, 128, 64, False), (4, 128, 16, True), (4, 128, 128, False), (1, 64, 64, False), (8, 256, 16, True)]
+
+
+@pytest.mark.parametrize("group,head_dim,block_m,pack", [*PAGED_CASES, (5, 128, 16, True)])
+def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
+    """The paged prefill kernel compiles for sm_90 at each of its row blocks (GQA packed in the short ones), waiting
+    under PDL and using the tensor cores: warpgroup MMA (wgmma) at 64 rows and more, mma.sync at 16 (below a
+    warpgroup's 64)."""
     from tpweave.ops import flash_prefill
 
     fn = flash_prefill._paged_prefill_kernel
-    t = {16: flash_prefill.SHORT_ROWS_TUNING, 64: flash_prefill.DEFAULT_TUNING, 128: flash_prefill.LONG_ROWS_TUNING}[
-        block_m
-    ]
+    tunings = {
+        16: flash_prefill.SHORT_ROWS_TUNING,
+        64: flash_prefill.DEFAULT_TUNING,
+        128: flash_prefill.LONG_ROWS_TUNING,
+    }
+    t = tunings[block_m]
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
-    types |= dict(tables_ptr="*i32", num_seqs="i32", qk_scale="fp32", block_size="i32")
+    types |= dict(tables_ptr="*i32", num_seqs="i32", min_q="i32", max_q="i32", qk_scale="fp32", block_size="i32")
     types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
-    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PDL=True)
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PACK_GQA=pack, PDL=True)
     ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
     assert "griddepcontrol.wait" in ptx and ("wgmma.mma_async" if block_m >= 64 else "mma.sync.aligned") in ptx

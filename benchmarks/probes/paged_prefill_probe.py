@@ -31,11 +31,10 @@ CASES = {
     "64 decodes @1024": ([1] * 64, [1024] * 64),
 }
 SETTINGS = (
-    flash_prefill.SHORT_ROWS_TUNING,
+    flash_prefill.SHORT_ROWS_TUNING,  # GQA packed
+    flash_prefill.PrefillTuning(16, 64, 4, 3),
     flash_prefill.DEFAULT_TUNING,
-    flash_prefill.PrefillTuning(16, 32, 4, 3),
-    flash_prefill.PrefillTuning(32, 64, 4, 3),
-    flash_prefill.PrefillTuning(128, 64, 8, 3),
+    flash_prefill.LONG_ROWS_TUNING,
 )
 
 
@@ -66,7 +65,7 @@ def kernel_rows() -> list[dict]:
         for t in SETTINGS:
             paths[f"triton {t}"] = lambda t=t: flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs,
                                                                            SCALE, tuning=t)  # fmt: skip
-        paths["triton default rule"] = lambda: flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs,
+        paths["triton launch plan"] = lambda: flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs,
                                                                            SCALE)  # fmt: skip
         for path, fn in paths.items():
             diff = (fn().float() - ref).abs().max().item()

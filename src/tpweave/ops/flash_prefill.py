@@ -39,6 +39,7 @@ class PrefillTuning:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    pack_gqa: bool = False  # paged kernel: a block's rows are (token, q head) pairs of one kv head
 
 
 DEFAULT_TUNING = PrefillTuning()
@@ -131,47 +132,60 @@ if triton is not None:
 
     @triton.jit
     def _paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, num_seqs, qk_scale, block_size,
+        q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, num_seqs, min_q, max_q, qk_scale, block_size,
         stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_om, stride_oh,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PACK_GQA: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        # rows of a block: with PACK_GQA, TOKENS tokens x the GROUP q heads of kv head program_id(1) (K/V read once
+        # for the group); otherwise BLOCK_M tokens of q head program_id(1)
+        ROWS_PER_TOKEN: tl.constexpr = GROUP if PACK_GQA else 1
+        TOKENS: tl.constexpr = BLOCK_M // ROWS_PER_TOKEN
         pid = tl.num_programs(0) - 1 - tl.program_id(0)
-        head = tl.program_id(1)
         pdl.wait_and_release(PDL)
-        seq = _sequence_of(cu_ptr, pid, num_seqs, BLOCK_M)
+        seq = _sequence_of(cu_ptr, pid, num_seqs, TOKENS)
         start = tl.load(cu_ptr + seq)
         q_len = tl.load(cu_ptr + seq + 1) - start
-        q_block = pid - (start // BLOCK_M + seq)
-        if q_block * BLOCK_M < q_len:
+        q_block = pid - (start // TOKENS + seq)
+        # this launch takes the sequences of min_q <= q_len < max_q (paged_prefill: one launch per row block)
+        if (q_block * TOKENS < q_len) & (q_len >= min_q) & (q_len < max_q):
             kv_len = tl.load(ctx_ptr + seq)
-            offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            pos_m = kv_len - q_len + offs_m  # query i of the sequence sits at position kv_len - q_len + i
+            r = tl.arange(0, BLOCK_M)
+            tok = q_block * TOKENS + r // ROWS_PER_TOKEN
+            if PACK_GQA:
+                kv_head = tl.program_id(1)
+                head = kv_head * GROUP + r % GROUP
+            else:
+                head = tl.program_id(1) + 0 * r
+                kv_head = tl.program_id(1) // GROUP
+            row_ok = (tok < q_len) & (r < TOKENS * ROWS_PER_TOKEN)
+            pos = kv_len - q_len + tok  # token i of the sequence's new ones sits at position kv_len - q_len + i
             d = tl.arange(0, HEAD_DIM)
-            q_ptrs = q_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_qm + head * stride_qh + d[None, :]
-            q = tl.load(q_ptrs, mask=(offs_m < q_len)[:, None], other=0.0)
-            kv_head = head // GROUP
+            rows = (start + tok).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * stride_qm + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)  # fmt: skip
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            first = kv_len - q_len + q_block * BLOCK_M  # keys before it are seen by every query of the block
+            first = kv_len - q_len + q_block * TOKENS  # keys before it are seen by every token of the block
             unmasked_end = first // BLOCK_N * BLOCK_N
             for n in range(0, unmasked_end, BLOCK_N):
                 k, v, _ = paged_decode._kv_tile(k_ptr, v_ptr, tables_ptr, seq, kv_head, n + tl.arange(0, BLOCK_N),
                                                 kv_len, block_size, stride_tb, stride_ks, stride_kh, stride_vs,
                                                 stride_vh, d)  # fmt: skip
                 m_i, l_i, acc = _attend(q, tl.trans(k), v, m_i, l_i, acc, qk_scale, None, False)
-            # then up to the block's last query, causally; key `first` is seen by every row, padding rows (past the
+            # then up to the block's last token, causally; key `first` is seen by every row, padding rows (past the
             # sequence: positions >= kv_len) included, so no row is all -inf
-            for n in range(unmasked_end, tl.minimum(first + BLOCK_M, kv_len), BLOCK_N):
+            for n in range(unmasked_end, tl.minimum(first + TOKENS, kv_len), BLOCK_N):
                 key = n + tl.arange(0, BLOCK_N)
                 k, v, key_ok = paged_decode._kv_tile(k_ptr, v_ptr, tables_ptr, seq, kv_head, key, kv_len, block_size,
                                                      stride_tb, stride_ks, stride_kh, stride_vs, stride_vh,
                                                      d)  # fmt: skip
-                visible = (key[None, :] <= pos_m[:, None]) & key_ok[None, :]
+                visible = (key[None, :] <= pos[:, None]) & key_ok[None, :]
                 m_i, l_i, acc = _attend(q, tl.trans(k), v, m_i, l_i, acc, qk_scale, visible, True)
             out = acc / l_i[:, None]
-            o_ptrs = o_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_om + head * stride_oh + d[None, :]
-            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+            o_ptrs = o_ptr + rows[:, None] * stride_om + head[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def flash_prefill(
@@ -207,22 +221,20 @@ def flash_prefill(
     return out
 
 
-# blocks of 16 rows where most sequences have one new token (decodes): a 64-row block computes 64 rows for it
-SHORT_ROWS_TUNING = PrefillTuning(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# sequences of fewer new tokens than this (decodes, speculative tokens) get their own launch in short row blocks
+SHORT_ROWS = 4
+# rows of 16: 16 // GROUP tokens x each q head of a kv head, so a decode reads its K/V once per kv head
+SHORT_ROWS_TUNING = PrefillTuning(block_m=16, block_n=64, num_warps=4, num_stages=3, pack_gqa=True)
 # blocks of 128 rows for long chunks (their keys read half as often as with 64)
 LONG_ROWS_TUNING = PrefillTuning(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def paged_tuning(num_tokens: int, num_seqs: int) -> PrefillTuning:
-    """Launch parameters of paged_prefill from shapes only, by the new tokens per sequence on average: below 4,
-    16-row blocks; from 1024, 128-row blocks; the fresh kernel's setting between. On one H200
-    (benchmarks/probes/paged_prefill_probe.py, llama3-8b heads): 64 decodes at context 1024 take 0.25 ms in 16-row
-    blocks against 0.31 in 64-row ones; a 2000-token chunk among 64 decodes is faster in 64-row blocks (0.47 against
-    0.67 and 0.70 in 16 or 128), a 2048-token chunk after 6144 cached tokens in 128-row ones (0.89 against 0.96)."""
-    per_seq = num_tokens / max(num_seqs, 1)
-    if per_seq < 4:
-        return SHORT_ROWS_TUNING
-    return LONG_ROWS_TUNING if per_seq >= 1024 else DEFAULT_TUNING
+def long_rows_tuning(num_tokens: int, num_seqs: int) -> PrefillTuning:
+    """Launch parameters of the sequences of SHORT_ROWS or more new tokens, from shapes only: 128-row blocks from
+    1024 new tokens per sequence on average, the fresh kernel's setting below. On one H200
+    (benchmarks/probes/paged_prefill_probe.py, llama3-8b heads) a 2048-token chunk after 6144 cached tokens took
+    0.875 ms in 128-row blocks against 0.953 in 64-row ones; 16 chunks of 128 after 512 the same in both."""
+    return LONG_ROWS_TUNING if num_tokens >= 1024 * max(num_seqs, 1) else DEFAULT_TUNING
 
 
 def paged_supported(q_MHD: Tensor, k_cache: Tensor) -> bool:
@@ -245,26 +257,42 @@ def paged_prefill(
     """Causal attention of each sequence's new tokens (rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q, at positions
     context_lens[b] - n_b onwards) over its first context_lens[b] positions in the page pool (k_cache / v_cache
     (slots, K, D), slot = block_tables[b, pos // block_size] * block_size + pos % block_size), read in place: no
-    gather of the context. Decodes, chunks after cached context and fresh sequences mixed in one launch; the new
-    tokens' K/V must be in the pool already. (M, H, D) contiguous in q's dtype; CUDA only (`paged_supported`)."""
+    gather of the context. Decodes, chunks after cached context and fresh sequences mixed in one step; the new
+    tokens' K/V must be in the pool already. (M, H, D) contiguous in q's dtype; CUDA only (`paged_supported`).
+
+    Sequences of fewer than SHORT_ROWS new tokens run in one launch (SHORT_ROWS_TUNING), the others in a second
+    (long_rows_tuning): which sequence is which is read on the GPU, so each launch covers every sequence and skips
+    the other class's (one launch where the shapes say that one class is empty). `tuning`: one launch for all."""
     num_tokens, num_heads, head_dim = q_MHD.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0
-    tuning = tuning or paged_tuning(num_tokens, num_seqs)
     q_MHD = q_MHD if q_MHD.stride(-1) == 1 else q_MHD.contiguous()
     out = torch.empty(q_MHD.shape, dtype=q_MHD.dtype, device=q_MHD.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    if tuning is not None:
+        launches = [(tuning, 0, num_tokens + 1)]
+    elif num_seqs == 1:  # the one sequence's class is known
+        short = num_tokens < SHORT_ROWS
+        launches = [(SHORT_ROWS_TUNING if short else long_rows_tuning(num_tokens, 1), 0, num_tokens + 1)]
+    else:
+        launches = [(SHORT_ROWS_TUNING, 0, SHORT_ROWS)]
+        if num_tokens >= SHORT_ROWS:  # else no sequence has that many
+            launches.append((long_rows_tuning(num_tokens, num_seqs), SHORT_ROWS, num_tokens + 1))
+    group = num_heads // num_kv_heads
     on = pdl.enabled(q_MHD.device)
-    grid = (triton.cdiv(num_tokens, tuning.block_m) + num_seqs, num_heads)
-    _paged_prefill_kernel[grid](
-        q_MHD, k_cache, v_cache, out, cu, ctx, block_tables, num_seqs, scale * math.log2(math.e), block_size,
-        q_MHD.stride(0), q_MHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, PDL=on,
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages, launch_pdl=on,
-    )  # fmt: skip
+    for t, min_q, max_q in launches:
+        block_m = max(t.block_m, triton.next_power_of_2(group)) if t.pack_gqa else t.block_m
+        tokens = block_m // group if t.pack_gqa else block_m
+        grid = (triton.cdiv(num_tokens, tokens) + num_seqs, num_kv_heads if t.pack_gqa else num_heads)
+        _paged_prefill_kernel[grid](
+            q_MHD, k_cache, v_cache, out, cu, ctx, tables, num_seqs, min_q, max_q, scale * math.log2(math.e),
+            block_size, q_MHD.stride(0), q_MHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=t.block_n, PACK_GQA=t.pack_gqa, PDL=on,
+            num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+        )  # fmt: skip
     return out

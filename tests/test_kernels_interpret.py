@@ -1,0 +1,85 @@
+"""tpweave's Triton prefill attention kernels run by Triton's interpreter on the CPU (TRITON_INTERPRET=1: the kernels'
+own code over numpy) against the fp32 reference, so CI checks their indexing, masking and launch plans without a GPU.
+The interpreter must be on before the kernels are defined, so each test runs its cases in a fresh Python process.
+Skipped without triton; CI runs it with the box's Triton (.ci/run). What it cannot check: PDL, speed, and whatever
+the compiled code does differently (tests/test_gpu_attention.py checks that on the GPU)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def _run_in_interpreter(function: str) -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    code = f"import test_kernels_interpret as t; t.{function}()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim=32, block_size=16):
+    import torch
+
+    gen = torch.Generator().manual_seed(sum(ctx_lens) + heads)
+    blocks = [max(1, -(-c // block_size)) for c in ctx_lens]
+    pool = torch.randperm(sum(blocks) + 4, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = pool[used : used + n]
+        used += n
+    slots = (sum(blocks) + 4) * block_size
+    k_cache, v_cache = (torch.randn(slots, kv_heads, head_dim, generator=gen).half() for _ in range(2))
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=gen).half()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return qkv[:, :heads], k_cache, v_cache, cu, torch.tensor(ctx_lens, dtype=torch.int32), tables, block_size
+
+
+def _check_paged_prefill() -> None:
+    import torch
+
+    from tpweave.ops import attention, flash_prefill
+
+    cases = [
+        ([1, 1, 40], [20, 70, 90]),  # decodes and a chunk after cached context: two launches
+        ([33], [100]),  # one sequence: one launch
+        ([3, 0, 2, 70, 1], [3, 5, 40, 70, 9]),  # short rows of 1-3 tokens, an empty one, a fresh sequence
+    ]
+    for heads, kv_heads in [(8, 2), (10, 2), (32, 1)]:  # GQA groups of 4, 5 (rows left over) and 32 (> 16 rows)
+        for q_lens, ctx_lens in cases:
+            q, k_cache, v_cache, cu, ctx, tables, bs = _paged_case(q_lens, ctx_lens, heads, kv_heads)
+            ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables,
+                                                       bs, 0.2)  # fmt: skip
+            for tuning in (None, flash_prefill.PrefillTuning(16, 16, 4, 1)):
+                got = flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs, 0.2, tuning=tuning)
+                torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def _check_flash_prefill() -> None:
+    import torch
+
+    from tpweave.ops import attention, flash_prefill
+
+    gen = torch.Generator().manual_seed(0)
+    for lens, heads, kv_heads in [([5, 0, 40, 17], 8, 2), ([33], 4, 4)]:
+        qkv = torch.randn(sum(lens), heads + 2 * kv_heads, 32, generator=gen).half()
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, 0.2)
+        got = flash_prefill.flash_prefill(q, k, v, cu, 0.2, tuning=flash_prefill.PrefillTuning(16, 16, 4, 1))
+        torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_paged_prefill_kernel_in_the_interpreter():
+    """The paged kernel (GQA packed in short row blocks, one launch per row class) == the per-sequence reference."""
+    _run_in_interpreter("_check_paged_prefill")
+
+
+def test_flash_prefill_kernel_in_the_interpreter():
+    """The fresh kernel == the per-sequence reference over packed sequences, an empty one included."""
+    _run_in_interpreter("_check_flash_prefill")
