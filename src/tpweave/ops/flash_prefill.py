@@ -274,15 +274,16 @@ def paged_prefill(
     cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
     ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
     tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    no_bound = 2**31 - 1  # the same every step (Triton compiles a variant per kind of int value)
     if tuning is not None:
-        launches = [(tuning, 0, num_tokens + 1)]
+        launches = [(tuning, 0, no_bound)]
     elif num_seqs == 1:  # the one sequence's class is known
         short = num_tokens < SHORT_ROWS
-        launches = [(SHORT_ROWS_TUNING if short else long_rows_tuning(num_tokens, 1), 0, num_tokens + 1)]
+        launches = [(SHORT_ROWS_TUNING if short else long_rows_tuning(num_tokens, 1), 0, no_bound)]
     else:
         launches = [(SHORT_ROWS_TUNING, 0, SHORT_ROWS)]
         if num_tokens >= SHORT_ROWS:  # else no sequence has that many
-            launches.append((long_rows_tuning(num_tokens, num_seqs), SHORT_ROWS, num_tokens + 1))
+            launches.append((long_rows_tuning(num_tokens, num_seqs), SHORT_ROWS, no_bound))
     group = num_heads // num_kv_heads
     on = pdl.enabled(q_MHD.device)
     for t, min_q, max_q in launches:
