@@ -16,10 +16,27 @@ pytest.importorskip("triton")
 
 def _run_in_interpreter(function: str) -> None:
     env = os.environ | {"TRITON_INTERPRET": "1"}
-    code = f"import test_kernels_interpret as t; t.{function}()"
+    code = f"import test_kernels_interpret as t; t._read_scalars_by_item(); t.{function}()"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _read_scalars_by_item() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int by int(array) on a one-element array of one dimension,
+    which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"): a loop bound read from
+    memory (`range(0, n)` with n loaded) hits it. This process reads the element instead (array.item())."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None:  # another Triton: nothing to adapt
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
 def _paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim=32, block_size=16):
