@@ -13,9 +13,12 @@ from tpweave.ops import attention
 pytestmark = pytest.mark.gpu(gpus=1)
 
 
-def _paged_case(q_lens, ctx_lens, *, heads=16, kv_heads=4, head_dim=128, block_size=16, num_blocks=4096, seed=0):
+def _paged_case(q_lens, ctx_lens, *, heads=16, kv_heads=4, head_dim=128, block_size=16, num_blocks=4096, seed=0,
+                device="cuda", dtype=torch.bfloat16):  # fmt: skip
+    """(q, k_new, v_new, k_cache, v_cache, slots, cu_seqlens, context_lens, block_tables, block_size, scale): random
+    new tokens (their K/V not yet in the pool) of sequences whose blocks are scattered over the pool."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = device, dtype
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dev, dt)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dev, dt)
     width = max(-(-c // block_size) for c in ctx_lens)
@@ -232,8 +235,7 @@ def test_attention_op_takes_head_dims_the_triton_kernel_does_not():
 def test_paged_prefill_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size):
     """ops/flash_prefill.py's paged kernel (keys read in place from the page pool through the block table) == the
     per-sequence reference in fp32, with each of its row blocks (16 with and without GQA packing, 64, 128) and the
-    two-launch plan (None) on every case and q a strided view of a
-    fused QKV tensor."""
+    two-launch plan (None) on every case, q a strided view of a fused QKV tensor."""
     from tpweave.ops import flash_prefill
 
     args = _paged_case(q_lens, ctx_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)

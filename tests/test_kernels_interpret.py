@@ -39,27 +39,10 @@ def _read_scalars_by_item() -> None:
     interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
-def _paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim=32, block_size=16):
-    import torch
-
-    gen = torch.Generator().manual_seed(sum(ctx_lens) + heads)
-    blocks = [max(1, -(-c // block_size)) for c in ctx_lens]
-    pool = torch.randperm(sum(blocks) + 4, generator=gen).to(torch.int32)
-    tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks):
-        tables[b, :n] = pool[used : used + n]
-        used += n
-    slots = (sum(blocks) + 4) * block_size
-    k_cache, v_cache = (torch.randn(slots, kv_heads, head_dim, generator=gen).half() for _ in range(2))
-    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=gen).half()
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return qkv[:, :heads], k_cache, v_cache, cu, torch.tensor(ctx_lens, dtype=torch.int32), tables, block_size
-
-
 def _check_paged_prefill() -> None:
     import torch
 
+    from test_gpu_attention import _paged_case
     from tpweave.ops import attention, flash_prefill
 
     cases = [
@@ -69,7 +52,11 @@ def _check_paged_prefill() -> None:
     ]
     for heads, kv_heads in [(8, 2), (16, 2), (10, 2), (32, 1)]:  # groups of 4, 8, 5 (rows left over), 32 (> 16 rows)
         for q_lens, ctx_lens in cases:
-            q, k_cache, v_cache, cu, ctx, tables, bs = _paged_case(q_lens, ctx_lens, heads, kv_heads)
+            args = _paged_case(q_lens, ctx_lens, heads=heads, kv_heads=kv_heads, head_dim=32, num_blocks=64,
+                               device="cpu", dtype=torch.float16)  # fmt: skip
+            q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, _ = args
+            k_cache[slots], v_cache[slots] = k_new, v_new
+            q = torch.cat([q, k_new, v_new], dim=1)[:, :heads]  # a strided view, as the model's QKV split gives
             ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables,
                                                        bs, 0.2)  # fmt: skip
             for tuning in (None, flash_prefill.PrefillTuning(16, 16, 4, 1)):
