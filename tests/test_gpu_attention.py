@@ -248,3 +248,34 @@ def test_paged_prefill_matches_reference(q_lens, ctx_lens, heads, kv_heads, head
         got = flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs, scale, tuning=tuning)
         assert got.is_contiguous()
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernels_compile_once_whatever_the_number_of_sequences():
+    """The number of sequences changes every step: each prefill kernel keeps one compiled variant per launch setting
+    across 1 (fresh kernel; the paged one launches differently for one sequence), 2, 7 and 16 sequences (Triton
+    specializes an int argument on == 1 and on divisibility by 16 unless told not to), so serving never stops to
+    compile a new one mid-run."""
+    import triton
+
+    from tpweave.ops import flash_prefill
+
+    def variants(kernel):
+        return len(kernel.device_caches[triton.runtime.driver.active.get_current_device()][0])
+
+    fresh, paged = flash_prefill._flash_prefill_kernel, flash_prefill._paged_prefill_kernel
+    counts = []
+    for num_seqs in (1, 2, 7, 16):
+        lens = [33] * num_seqs
+        qkv = torch.randn(sum(lens), 48, 128, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.split([32, 8, 8], dim=1)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        flash_prefill.flash_prefill(q, k, v, cu, 128**-0.5)
+        if num_seqs == 1:
+            after_one = variants(fresh)
+            continue
+        args = _paged_case([33] * num_seqs, [100] * num_seqs, heads=32, kv_heads=8)
+        q, _, _, k_cache, v_cache, _, cu, ctx, tables, bs, scale = args
+        flash_prefill.paged_prefill(q, k_cache, v_cache, cu, ctx, tables, bs, scale)
+        counts.append((variants(fresh), variants(paged)))
+    assert counts[0] == counts[1] == counts[2], counts
+    assert counts[0][0] == after_one, "the fresh kernel compiled another variant for two sequences than for one"

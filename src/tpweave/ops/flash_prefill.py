@@ -87,7 +87,8 @@ if triton is not None:
         acc = tl.dot(p.to(v_ND.dtype), v_ND, acc * alpha[:, None])
         return m_new, l_i, acc
 
-    @triton.jit
+    # num_seqs changes every step: not specialized (Triton would compile a variant for 1 and for multiples of 16)
+    @triton.jit(do_not_specialize=["num_seqs"])
     def _flash_prefill_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, num_seqs, qk_scale,
         stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
@@ -130,7 +131,7 @@ if triton is not None:
             o_ptrs = o_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_om + head * stride_oh + d[None, :]
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_seqs"])
     def _paged_prefill_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, num_seqs, min_q, max_q, qk_scale, block_size,
         stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_om, stride_oh,
