@@ -1,9 +1,10 @@
 """Where the engine's prefill forward spends its GPU time: one fresh sequence of N tokens through the compiled
-forward (as the engine launches it), profiled over a few calls back to back. Per kernel name: launches and GPU time
+forward (as the engine launches it), profiled over a few calls back to back after --warm-calls more (many: the
+clocks the GPU's power limit leaves under a stream of prefills). Per kernel name: launches and GPU time
 per call; for every memset and copy the host op that launched it (the innermost profiled op around its runtime
 call, and the Python frames with --stack); and the time the GPU sat between kernels.
 
-    python benchmarks/probes/prefill_kernels_probe.py [--model llama3-8b] [--tokens 2048] [--out FILE.json] [--stack]
+    python benchmarks/probes/prefill_kernels_probe.py [--model llama3-8b] [--tokens 2048] [--out FILE.json] [--stack] [--warm-calls N]
 """
 
 import argparse
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--stack", action="store_true", help="Python frames of each memset's launcher")
+    parser.add_argument("--warm-calls", type=int, default=3, help="forwards back to back before the profiled ones")
     parser.add_argument("--out")
     args = parser.parse_args()
     ctx = TPContext.single("cuda")
@@ -100,12 +102,13 @@ def main() -> None:
     engine.scheduler.blocks.grow(seq, args.tokens)
     inputs = runner._inputs([ScheduledChunk(seq, 0, args.tokens, samples=True)])
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(args.warm_calls):
             runner.forward(*inputs)
         torch.cuda.synchronize()
         result = profile_forward(lambda: runner.forward(*inputs), stack=args.stack)
     engine.scheduler.blocks.free(seq)
-    result.update(model=args.model, tokens=args.tokens, flops=prefill_flops(runner.model, args.tokens))
+    result.update(model=args.model, tokens=args.tokens, flops=prefill_flops(runner.model, args.tokens),
+                  warm_calls=args.warm_calls, stack=args.stack)  # fmt: skip
     engine.release()
     print(f"span {result['span_us_per_call'] / 1e3:.2f} ms/call, kernels+memsets busy "
           f"{result['device_busy_us_per_call'] / 1e3:.2f}, idle {result['idle_us_per_call'] / 1e3:.2f}")  # fmt: skip
