@@ -4,7 +4,8 @@ clocks the GPU's power limit leaves under a stream of prefills). Per kernel name
 per call; for every memset and copy the host op that launched it (the innermost profiled op around its runtime
 call, and the Python frames with --stack); and the time the GPU sat between kernels.
 
-    python benchmarks/probes/prefill_kernels_probe.py [--model llama3-8b] [--tokens 2048] [--out FILE.json] [--stack] [--warm-calls N]
+    python benchmarks/probes/prefill_kernels_probe.py [--model llama3-8b] [--tokens 2048] [--out FILE.json]
+        [--stack] [--warm-calls N]
 """
 
 import argparse
