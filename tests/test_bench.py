@@ -303,16 +303,34 @@ def test_engine_rooflines_count_what_the_model_computes_and_reads():
 
 
 def test_engine_results_render_with_their_plot(tmp_path):
-    from tpweave.bench.results import load_results, write_results
+    from tpweave.bench.results import load_results, summary, write_results
 
     rows = [
         {"what": "engine_decode", "batch": b, "context": 1024, "step_ms": 6.0 + b / 64, "forward_ms": 5.5 + b / 64,
          "step_over_forward": 1.08, "roofline_ms": 3.2, "of_roofline": 0.58, "kernels_per_step": 330.0}
         for b in (1, 64)
     ]  # fmt: skip
-    rows.append({"what": "engine_prefill", "tokens": 2048, "forward_ms": 45.0, "roofline_ms": 40.0, "of_roofline": 0.9})
+    rows.append({"what": "engine_prefill", "tokens": 2048, "forward_ms": 45.0, "roofline_ms": 40.0, "of_roofline": 0.9,
+                 "of_datasheet_peak": 0.61})  # fmt: skip
     json_path, md_path = write_results(tmp_path, "engine-x", {"kind": "engine", "model": "m"}, rows)
     text = md_path.read_text()
     assert "## Engine decode step" in text and "## Engine prefill vs matmul roofline" in text
     assert "| 64 | 1024 | 7 |" in text
+    assert "| 2048 | 45 |" in text and "| 0.9 | 0.61 |" in text
     assert load_results(json_path)[1] == rows
+    head = summary([("engine-x", {"kind": "engine", "model": "m"}, rows)])
+    assert "| prefill | 2048 | - | 0.9 (matmul; 0.61 of the datasheet peak) | - |" in head
+
+
+def test_datasheet_figures_match_gpu_names(monkeypatch):
+    """The HBM and bf16 peaks come from the entry whose words all appear in the GPU's name; unknown GPUs have
+    none (the HBM limit is then measured)."""
+    from tpweave.bench import engine
+
+    for name, hbm, flops in [("NVIDIA H200", 4.8e12, 989.4e12), ("NVIDIA H100 80GB HBM3", 3.35e12, 989.4e12),
+                             ("NVIDIA H100 PCIe", 2.0e12, 756.5e12)]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert engine._datasheet(None, engine.HBM_BYTES_PER_S)[0] == hbm
+        assert engine._datasheet(None, engine.BF16_DENSE_FLOPS)[0] == flops
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some GPU")
+    assert engine._datasheet(None, engine.BF16_DENSE_FLOPS) is None

@@ -6,8 +6,9 @@ step() returns: host work, launch and the wait for the device, as a client sees 
 forward alone (the decode CUDA graph of that step replayed back to back) and the HBM roofline (every
 weight byte once + the K/V the step reads, at the GPU's HBM bandwidth). Kernels per step come from
 torch.profiler over steady steps. Prefill of N tokens: the compiled forward (calls back to back, the prefill
-throughput; one call from an idle GPU beside it) next to the matmul roofline (its FLOPs at the bf16 GEMM rate
-measured on this GPU in the same run), and the engine's time for a one-token request of N prompt tokens."""
+throughput; one call from an idle GPU beside it) next to the matmul roofline (its FLOPs at the highest bf16 GEMM rate
+measured on this GPU in the same run) and the datasheet's dense peak of a known GPU, and the engine's time for a
+one-token request of N prompt tokens."""
 
 from __future__ import annotations
 
@@ -29,12 +30,18 @@ from tpweave.log import progress
 from tpweave.models.config import DTYPES
 from tpweave.runtime.context import TPContext
 
-# HBM bandwidth by GPU name (vendor datasheets, bytes/s); other GPUs: the copy bandwidth measured in the run.
 REPLAYS_PER_SAMPLE = 5  # back to back between two events: a replay's launch hides behind the one before
 # prefill forwards back to back per sample, as a stream of prefill steps runs (the host prepares and launches the next
 # one while the GPU runs this one); one call from an idle GPU is reported beside it (single_call_ms)
 CALLS_PER_PREFILL_SAMPLE = 3
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
+# Vendor datasheet figures by the words of a GPU's name (an H100 SXM names itself "NVIDIA H100 80GB HBM3").
+# HBM bandwidth, bytes/s (other GPUs: the copy bandwidth measured in the run):
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "A100": 2.0e12}
+# dense bf16 tensor-core FLOP/s: a limit that does not move with the GPU's clocks, so prefill rows of different runs
+# and GPUs compare on it
+BF16_DENSE_FLOPS = {
+    "H200": 989.4e12, "H100 HBM3": 989.4e12, "H100 NVL": 835.5e12, "H100 PCIe": 756.5e12, "A100": 312e12,
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,12 +57,20 @@ class EngineBenchSettings:
     replays: int = 50
 
 
+def _datasheet(device: torch.device, table: dict[str, float]) -> tuple[float, str] | None:
+    """(figure, its key) of the first entry whose words all appear in the GPU's name, else None."""
+    name = torch.cuda.get_device_name(device)
+    for key, value in table.items():
+        if all(part in name for part in key.split()):
+            return value, key
+    return None
+
+
 def hbm_bandwidth(device: torch.device) -> tuple[float, str]:
     """(bytes/s, where it comes from): the datasheet figure of a known GPU, else a measured device copy."""
-    name = torch.cuda.get_device_name(device)
-    for key, bw in HBM_BYTES_PER_S.items():
-        if all(part in name for part in key.split()):
-            return bw, f"datasheet ({key})"
+    known = _datasheet(device, HBM_BYTES_PER_S)
+    if known is not None:
+        return known[0], f"datasheet ({known[1]})"
     return copy_bandwidth(device), "measured copy"
 
 
@@ -82,11 +97,15 @@ class MatmulRate:
         ms = time_call(lambda: [self.a @ self.b for _ in range(3)], inner=1, on_cuda=True) / 3
         return 2 * self.n**3 / (ms / 1e3)
 
+    def samples(self, count: int) -> list[float]:
+        """`count` samples back to back, FLOP/s."""
+        return [self.rate() for _ in range(count)]
+
 
 def gemm_flops_per_s(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
-    """The median of 20 MatmulRate samples."""
-    matmul = MatmulRate(device, dtype, n)
-    return median([matmul.rate() for _ in range(20)])
+    """The highest of 20 MatmulRate samples back to back: the matmul rate this GPU reaches (the samples after it
+    are already slowed by its power limit)."""
+    return max(MatmulRate(device, dtype, n).samples(20))
 
 
 def _event_ms(fn, *, reps: int, warmup: int = 3) -> list[float]:
@@ -228,7 +247,7 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
     return rows
 
 
-def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, peak: float) -> list[dict]:
+def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, cold: list[float]) -> list[dict]:
     rows = []
     matmul = MatmulRate(ctx.device, engine.runner.dtype)
     runner, model = engine.runner, engine.runner.model
@@ -245,7 +264,7 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
                 runner.forward(*args)
             # the matmul rate sampled between the forward's samples too: under this sustained load the GPU's power
             # limit lowers its clocks (an H200 measured 628-697 TFLOP/s here against 793 from cold); the roofline
-            # takes the higher of the two rates, the stricter limit
+            # takes the highest sample of the run, cold or under load, the strictest limit measured
             fwd_ms, peaks = [], []
             for _ in range(max(settings.replays // 5, 5)):
                 fwd_ms.append(time_call(lambda: [runner.forward(*args) for _ in range(calls)], inner=1, on_cuda=True))
@@ -259,8 +278,10 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
             t = time.perf_counter()
             engine.generate([prompt], SamplingParams(max_tokens=1))
             step_ms.append((time.perf_counter() - t) * 1e3)
-        rate = max(peak, median(peaks))
-        roofline = prefill_flops(model, num_tokens) / rate * 1e3
+        rate = max(cold + peaks)
+        flops = prefill_flops(model, num_tokens)
+        roofline = flops / rate * 1e3
+        datasheet = _datasheet(ctx.device, BF16_DENSE_FLOPS) if engine.runner.dtype == torch.bfloat16 else None
         rows.append({
             "what": "engine_prefill",
             "tokens": num_tokens,
@@ -274,8 +295,11 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
             "of_roofline": roofline / median(fwd_ms),
             "tokens_per_s": num_tokens / (median(fwd_ms) / 1e3),
             "matmul_flops_per_s": rate,
+            "matmul_flops_per_s_cold_samples": cold,
             "matmul_flops_per_s_under_load": median(peaks),
             "matmul_flops_per_s_under_load_samples": peaks,
+            "datasheet_flops_per_s": datasheet[0] if datasheet else None,
+            "of_datasheet_peak": flops / datasheet[0] * 1e3 / median(fwd_ms) if datasheet else None,
             **{f"{kind}_ms": v for kind, v in kind_ms.items()},
             "forward_kernels": names,
         })  # fmt: skip
@@ -309,14 +333,15 @@ def bench_engine(
     build_s = time.perf_counter() - t
     dev = ctx.device
     hbm, hbm_source = hbm_bandwidth(dev)
-    peak = gemm_flops_per_s(dev, dtype)
-    rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings, peak)
+    cold = MatmulRate(dev, dtype).samples(20)
+    rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings, cold)
     report = getattr(engine.runner.forward, "compile_report", None)
     record = {
         "hbm_bytes_per_s": hbm,
         "hbm_source": hbm_source,
         "copy_bytes_per_s": copy_bandwidth(dev),
-        "matmul_flops_per_s": peak,  # at the start of the run (prefill rows: also sampled alongside the forward)
+        "matmul_flops_per_s": max(cold),  # at the start of the run (prefill rows: also sampled alongside the forward)
+        "matmul_flops_per_s_samples": cold,
         "engine_build_s": build_s,
         "engine": {k: str(v) for k, v in kwargs.items()},
         "async_scheduling": engine.config.async_scheduling,

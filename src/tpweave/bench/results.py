@@ -86,7 +86,7 @@ ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_
                          "of_roofline", "gemm_ms", "attention_ms", "other_ms", "kernels_per_step",
                          "kernels_per_forward", "graph_bucket"]  # fmt: skip
 ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "single_call_ms", "request_ms", "roofline_ms", "of_roofline",
-                          "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip
+                          "of_datasheet_peak", "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (
@@ -276,7 +276,8 @@ def _engine_table(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| decode | {r['batch']}x{r['context']} | {_fmt(r.get('step_over_forward'))} | "
                          f"{_fmt(r.get('of_roofline'))} (HBM) | {_fmt(r.get('kernels_per_step'))} |")  # fmt: skip
         elif r.get("what") == "engine_prefill":
-            lines.append(f"| prefill | {r['tokens']} | - | {_fmt(r.get('of_roofline'))} (matmul) | - |")
+            sheet = f"; {_fmt(r['of_datasheet_peak'])} of the datasheet peak" if r.get("of_datasheet_peak") else ""
+            lines.append(f"| prefill | {r['tokens']} | - | {_fmt(r.get('of_roofline'))} (matmul{sheet}) | - |")
     return lines
 
 
