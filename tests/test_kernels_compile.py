@@ -260,6 +260,8 @@ def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
     types |= dict(tables_ptr="*i32", num_seqs="i32", min_q="i32", max_q="i32", qk_scale="fp32", block_size="i32")
     types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
-    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PACK_GQA=pack, PDL=True)
+    seq_blocks = 1 if pack else 0  # the short launch's mapping of programs to sequences, the general one otherwise
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PACK_GQA=pack,
+                SEQ_BLOCKS=seq_blocks, PDL=True)  # fmt: skip
     ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
     assert "griddepcontrol.wait" in ptx and ("wgmma.mma_async" if block_m >= 64 else "mma.sync.aligned") in ptx

@@ -136,7 +136,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, num_seqs, min_q, max_q, qk_scale, block_size,
         stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_om, stride_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PACK_GQA: tl.constexpr, PDL: tl.constexpr,
+        PACK_GQA: tl.constexpr, SEQ_BLOCKS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # rows of a block: with PACK_GQA, TOKENS tokens x the GROUP q heads of kv head program_id(1) (K/V read once
         # for the group); otherwise BLOCK_M tokens of q head program_id(1)
@@ -144,10 +144,15 @@ if triton is not None:
         TOKENS: tl.constexpr = BLOCK_M // ROWS_PER_TOKEN
         pid = tl.num_programs(0) - 1 - tl.program_id(0)
         pdl.wait_and_release(PDL)
-        seq = _sequence_of(cu_ptr, pid, num_seqs, TOKENS)
-        start = tl.load(cu_ptr + seq)
+        if SEQ_BLOCKS > 0:  # a launch of short sequences only: SEQ_BLOCKS programs per sequence, no search
+            seq = pid // SEQ_BLOCKS
+            start = tl.load(cu_ptr + seq)
+            q_block = pid % SEQ_BLOCKS
+        else:
+            seq = _sequence_of(cu_ptr, pid, num_seqs, TOKENS)
+            start = tl.load(cu_ptr + seq)
+            q_block = pid - (start // TOKENS + seq)
         q_len = tl.load(cu_ptr + seq + 1) - start
-        q_block = pid - (start // TOKENS + seq)
         # this launch takes the sequences of min_q <= q_len < max_q (paged_prefill: one launch per row block)
         if (q_block * TOKENS < q_len) & (q_len >= min_q) & (q_len < max_q):
             kv_len = tl.load(ctx_ptr + seq)
@@ -262,9 +267,11 @@ def paged_prefill(
     gather of the context. Decodes, chunks after cached context and fresh sequences mixed in one step; the new
     tokens' K/V must be in the pool already. (M, H, D) contiguous in q's dtype; CUDA only (`paged_supported`).
 
-    Sequences of fewer than SHORT_ROWS new tokens run in one launch (SHORT_ROWS_TUNING), the others in a second
-    (long_rows_tuning): which sequence is which is read on the GPU, so each launch covers every sequence and skips
-    the other class's (one launch where the shapes say that one class is empty). `tuning`: one launch for all."""
+    Sequences of fewer than SHORT_ROWS new tokens run in one launch (SHORT_ROWS_TUNING; the blocks a short
+    sequence can need, per sequence), the others in a second (long_rows_tuning; a program per block of all the
+    tokens, the sequence found by search): which sequence is which is read on the GPU, so each launch covers every
+    sequence and skips the other class's (one launch where the shapes say that one class is empty). `tuning`: one
+    launch for all."""
     num_tokens, num_heads, head_dim = q_MHD.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0
@@ -276,26 +283,30 @@ def paged_prefill(
     ctx = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
     tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     no_bound = 2**31 - 1  # the same every step (Triton compiles a variant per kind of int value)
+    # (tuning, min_q, max_q, whether every sequence this launch takes has fewer than SHORT_ROWS new tokens)
     if tuning is not None:
-        launches = [(tuning, 0, no_bound)]
+        launches = [(tuning, 0, no_bound, False)]
     elif num_seqs == 1:  # the one sequence's class is known
         short = num_tokens < SHORT_ROWS
-        launches = [(SHORT_ROWS_TUNING if short else long_rows_tuning(num_tokens, 1), 0, no_bound)]
+        launches = [(SHORT_ROWS_TUNING if short else long_rows_tuning(num_tokens, 1), 0, no_bound, short)]
     else:
-        launches = [(SHORT_ROWS_TUNING, 0, SHORT_ROWS)]
+        launches = [(SHORT_ROWS_TUNING, 0, SHORT_ROWS, True)]
         if num_tokens >= SHORT_ROWS:  # else no sequence has that many
-            launches.append((long_rows_tuning(num_tokens, num_seqs), SHORT_ROWS, no_bound))
+            launches.append((long_rows_tuning(num_tokens, num_seqs), SHORT_ROWS, no_bound, False))
     group = num_heads // num_kv_heads
     on = pdl.enabled(q_MHD.device)
-    for t, min_q, max_q in launches:
+    for t, min_q, max_q, short in launches:
         block_m = max(t.block_m, triton.next_power_of_2(group)) if t.pack_gqa else t.block_m
         tokens = block_m // group if t.pack_gqa else block_m
-        grid = (triton.cdiv(num_tokens, tokens) + num_seqs, num_kv_heads if t.pack_gqa else num_heads)
-        _paged_prefill_kernel[grid](
+        # short sequences: a fixed number of programs each (their blocks), where the general mapping launches one
+        # per block of all M tokens, most of them finding a long sequence and returning
+        seq_blocks = triton.cdiv(SHORT_ROWS - 1, tokens) if short else 0
+        programs = num_seqs * seq_blocks if short else triton.cdiv(num_tokens, tokens) + num_seqs
+        _paged_prefill_kernel[(programs, num_kv_heads if t.pack_gqa else num_heads)](
             q_MHD, k_cache, v_cache, out, cu, ctx, tables, num_seqs, min_q, max_q, scale * math.log2(math.e),
             block_size, q_MHD.stride(0), q_MHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=t.block_n, PACK_GQA=t.pack_gqa, PDL=on,
-            num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=t.block_n, PACK_GQA=t.pack_gqa,
+            SEQ_BLOCKS=seq_blocks, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
         )  # fmt: skip
     return out
