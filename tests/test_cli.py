@@ -60,6 +60,27 @@ def test_bad_input_is_one_line_before_any_rank_starts(args, message, tmp_path):
     assert not (tmp_path / "tpweave-results").exists()  # nothing written
 
 
+def test_ranks_on_a_cpu_without_the_memory_for_the_model_stop_before_starting(monkeypatch, capsys):
+    """On a CPU the ranks share the machine's memory: a model whose weights (+ each rank's share of building
+    them) do not fit is refused in one line naming --model and the sizes, instead of a rank killed mid-build."""
+    import argparse
+
+    from tpweave.cli import common
+    from tpweave.cli.main import main
+
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(common, "available_host_memory", lambda: 20e9)
+    assert main(["generate", "--model", "llama3-8b", "-tp", "2"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("tpweave: error: --model llama3-8b: 2 rank(s) on this machine's CPU need about 24.5 GB")
+    assert "16.1 GB of bfloat16 weights" in line and "20.0 GB is available" in line, line
+    # fewer layers (where the command takes --num-layers) or fewer ranks on this machine fit
+    fits = dict(model="llama3-8b", dtype="bfloat16", tp=2)
+    common.check_cpu_memory(argparse.Namespace(**fits, num_layers=8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun: one of the two ranks here
+    common.check_cpu_memory(argparse.Namespace(**fits, num_layers=None))
+
+
 def test_an_error_inside_the_ranks_is_one_line_and_a_hint(tmp_path):
     """A failure only a rank can see: the root rank's message and one hint line (exit 1); --debug adds
     every rank's traceback."""

@@ -64,6 +64,20 @@ def test_random_weights_do_not_depend_on_tp():
     torch.testing.assert_close(torch.cat([s[name] for s in shards], dim=0), full[name], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True, "tie_word_embeddings": True}, {"quantization": "fp8"}])
+def test_model_memory_is_its_weights_and_one_rope_table(overrides):
+    """The weights in memory are what weight_bytes (the CLI's memory check) counts, and every layer reads one
+    cos/sin table (a table per layer was 67 MB a layer at llama3-8b's 131072 positions)."""
+    from tpweave.models.weights import weight_bytes
+
+    model = build_model("tiny", tp=tpweave.TPContext.single(), dtype=torch.bfloat16, **overrides)
+    held = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # a tied head counted once
+    assert sum(t.numel() * t.element_size() for t in held.values()) == weight_bytes(model.config, torch.bfloat16)
+    buffers = dict(model.named_buffers())
+    assert list(buffers) == ["model.layers.0.self_attn.rotary.cos_sin"], list(buffers)
+    assert all(layer.self_attn.rotary is model.model.layers[0].self_attn.rotary for layer in model.model.layers)
+
+
 def test_safetensors_roundtrip(tmp_path):
     cfg = get_preset("tiny")
     save_hf_checkpoint(tmp_path / "ckpt", cfg, random_hf_state(cfg, seed=7, dtype=torch.float32), num_files=2)
@@ -134,6 +148,13 @@ def test_rank_that_dies_ends_the_run():
     with pytest.raises(tpweave.WorkerError, match=r"(?s)rank 1 failed:.*exited with code 3"):
         tpweave.launch(workers.die_on_rank, 1, nprocs=2)
     assert time.monotonic() - start < 60
+
+
+def test_rank_killed_by_a_signal_names_it():
+    """SIGKILL, what the kernel's out-of-memory killer sends, is named as such, not as a bare exit code."""
+    oom = r"(?s)rank 1 failed:.*killed by SIGKILL \(the kernel's out-of-memory killer"
+    with pytest.raises(tpweave.WorkerError, match=oom):
+        tpweave.launch(workers.killed_on_rank, 1, nprocs=2)
 
 
 def test_rank_that_hangs_times_out():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 
 import torch
@@ -82,6 +83,14 @@ def raise_on_rank(ctx, bad_rank):
 def die_on_rank(ctx, bad_rank):
     if ctx.rank == bad_rank:
         os._exit(3)
+    torch.distributed.barrier()
+    return ctx.rank
+
+
+def killed_on_rank(ctx, bad_rank):
+    """The bad rank is killed as the out-of-memory killer kills a process: SIGKILL, nothing reported."""
+    if ctx.rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
     torch.distributed.barrier()
     return ctx.rank
 

@@ -41,7 +41,7 @@ class Attention(nn.Module):
     """Self-attention with this rank's q and kv heads: fused QKV projection (column-parallel), RoPE,
     attention over the packed batch or the paged KV cache, output projection (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads = cfg.num_heads // tp.world_size
         self.num_kv_heads = cfg.num_kv_heads // tp.world_size
@@ -52,13 +52,7 @@ class Attention(nn.Module):
             cfg.hidden_size, qkv_out, tp=tp, bias=cfg.qkv_bias, dtype=dtype, quant=quant
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp, dtype=dtype, quant=quant)
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim,
-            theta=cfg.rope_theta,
-            scaling=cfg.rope_scaling,
-            max_positions=cfg.max_position_embeddings,
-            device=tp.device,
-        )
+        self.rotary = rotary  # the model's one table, shared by every layer
         self.scale = cfg.head_dim**-0.5
         # Paged KV cache (num_slots, kv heads, head dim), attached by the engine's model runner.
         self.register_buffer("k_cache", None, persistent=False)
@@ -115,10 +109,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
-        self.self_attn = Attention(cfg, tp=tp, dtype=dtype)
+        self.self_attn = Attention(cfg, tp=tp, dtype=dtype, rotary=rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
         self.mlp = MLP(cfg, tp=tp, dtype=dtype)
 
@@ -134,7 +128,15 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp=tp, dtype=dtype) for _ in range(cfg.num_layers))
+        # one cos/sin table for all layers (llama3-8b's 131072 positions: 67 MB of fp32, per layer if each had its own)
+        rotary = RotaryEmbedding(
+            cfg.head_dim,
+            theta=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            max_positions=cfg.max_position_embeddings,
+            device=tp.device,
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp=tp, dtype=dtype, rotary=rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=tp.device)
 
     def forward(self, input_ids_M: Tensor, positions_M: Tensor, cu_seqlens: Tensor, kv: KVMeta | None = None) -> Tensor:

@@ -7,6 +7,7 @@ TP=N build from the same seed or directory hold slices of the same full model.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +89,12 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if cfg.activation_scheme == "static":
                 shapes[base + ".input_scale"] = ()
     return shapes
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every tensor of the model's checkpoint in memory (full_shapes at hf_dtype): the weights of all TP
+    ranks together, as TP shards them (the (H,) norm weights each rank keeps whole aside)."""
+    return sum(math.prod(shape) * hf_dtype(cfg, name, dtype).itemsize for name, shape in full_shapes(cfg).items())
 
 
 def _rows(name: str, size: int, rank: int, tp: int, dim: int = 0) -> Piece:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import threading
@@ -91,6 +92,21 @@ def _worker(
         pass
 
 
+def _silent_exit(code: int | None) -> str:
+    """Why a rank ended without reporting: its exit code, or the signal that killed it (SIGKILL, most often from
+    the kernel's out-of-memory killer, is named as such)."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = f"process was killed by {name}"
+        if -code == signal.SIGKILL:
+            why += " (the kernel's out-of-memory killer sends it when the machine runs out of memory)"
+        return f"{why} without reporting a result"
+    return f"process exited with code {code} without reporting a result{_guard_hint()}"
+
+
 def _guard_hint() -> str:
     """A hint when the launching script has no main guard (its ranks re-run it on import and die)."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
@@ -155,10 +171,7 @@ def launch(
                 time.sleep(1.0)  # let the other ranks' reports arrive, to name the root cause
                 failures |= _drain(results, outputs)
                 silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and not p.is_alive()]
-                failures |= {
-                    r: f"process exited with code {procs[r].exitcode} without reporting a result{_guard_hint()}"
-                    for r in silent
-                }
+                failures |= {r: _silent_exit(procs[r].exitcode) for r in silent}
                 # A rank that died silently is the cause; the peers' errors are its consequence.
                 root = silent[0] if silent else next(iter(failures))  # first reported
                 others = "".join(
