@@ -750,3 +750,40 @@ def test_hf_llama_token_split_by_sequences():
             assert uninterleaved_all_reduces(schedule) == [], schedule
         assert "token split: left alone, a batch of one sequence" in rank_out["notes"], rank_out["report"]
         assert not any("joined" in n for n in rank_out["notes"]), rank_out["report"]
+
+
+def test_residual_stream_is_stored_once_not_recomputed_in_each_norm():
+    """A residual stream h = h + lin(rms_norm(h)), layers deep, through the real backend (CPU): with
+    realize_residuals (default) each add + norm kernel reads at most the previous sum and the new summand, two
+    activations; Inductor's default (the option off) recomputes the chain in each norm kernel from up to 4 earlier
+    summands. Numbers equal the eager module's either way."""
+    import re
+
+    import torch.nn.functional as F
+    from torch import nn
+    from torch._inductor.utils import run_and_get_code
+
+    class ResidualStack(nn.Module):
+        def __init__(self, layers: int = 6, hidden: int = 64):
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(layers))
+
+        def forward(self, x):
+            h = x
+            for lin in self.lins:
+                h = h + lin(F.rms_norm(h, (h.shape[-1],)))
+            return F.rms_norm(h, (h.shape[-1],))
+
+    module = ResidualStack().requires_grad_(False)
+    x = torch.randn(37, 64)
+    reads = {}
+    for on in (True, False):
+        torch._dynamo.reset()
+        out, codes = run_and_get_code(tpweave.compile(module, realize_residuals=on), x)
+        torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+        # each CPU kernel's argument types: the const pointers are the tensors it reads
+        kernels = re.findall(r"cpp_fused_(\w*mean\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\]", "\n".join(codes))
+        assert kernels, codes
+        reads[on] = [args.count("const float*") for _, args in kernels]
+    assert max(reads[True]) <= 2, reads
+    assert max(reads[False]) > 2, reads  # what the option changes

@@ -54,6 +54,11 @@ class CompileOptions:
     # that normalizes as it reads at one row); off by default: slower in the engine's batch-1 step on one H200
     # (docs/architecture.md, "The decode-GEMV pass")
     norm_gemv: bool = False
+    # Inductor stores a pointwise result that several kernels read (the residual stream: each layer's x + attn(...)
+    # feeds its RMSNorm and the next add) instead of recomputing it in every reader; by default it does so only past
+    # 4 reads, so each add + RMSNorm re-read up to 4 earlier summands (llama3-8b, 2048 tokens on one H200: 17-30 us
+    # a norm where one pass over its input takes 17). Every arm and PLAIN_TP get it alike.
+    realize_residuals: bool = True
     table: StrategyTable | Literal["auto"] | None = "auto"  # "auto": the cached table of a tpweave model
     ag_mm_policy: str = DEFAULT_OVERLAP_POLICY
     mm_rs_policy: str = DEFAULT_OVERLAP_POLICY
@@ -65,7 +70,7 @@ class CompileOptions:
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
 
     def __post_init__(self) -> None:
-        for name in ("async_tp", "cudagraphs", "piecewise", "strict", "decode_gemv", "norm_gemv"):
+        for name in ("async_tp", "cudagraphs", "piecewise", "strict", "decode_gemv", "norm_gemv", "realize_residuals"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.sp is not None and not isinstance(self.sp, bool):
@@ -114,6 +119,8 @@ class CompileOptions:
         if self.piecewise:
             config["graph_partition"] = True
             config["custom_should_partition_ops"] = list(ATTENTION_OPS)
+        if self.realize_residuals:
+            config["realize_reads_threshold"] = 1  # a pointwise node of 2+ reads and 2+ users is stored once
         from torch._inductor import config as inductor
 
         if pdl.requested() and hasattr(inductor.triton, "enable_pdl"):
