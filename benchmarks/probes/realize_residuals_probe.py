@@ -10,37 +10,19 @@ import argparse
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from prefill_kernels_probe import CALLS, profile_forward
 
 import tpweave
+from tpweave.bench.timing import time_call
 from tpweave.models import build_model
 from tpweave.models.inputs import random_batch
 from tpweave.runtime.context import TPContext
 
-CALLS = 3
-
-
-def timed_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CALLS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / CALLS
-
 
 def norm_kernels_ms(fn) -> tuple[float, dict[str, float]]:
     """GPU time per call of the kernels that compute an RMSNorm (Inductor names them after rsqrt), by name."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    by_name: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "rsqrt" in e.name:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / CALLS
+    by_name = {k["name"]: k["us_per_call"] / 1e3 for k in profile_forward(fn, stack=False)["kernels"]}
+    by_name = {name: ms for name, ms in by_name.items() if "rsqrt" in name}
     return sum(by_name.values()), by_name
 
 
@@ -66,7 +48,7 @@ def main():
         for r in range(args.rounds):
             order = list(compiled) if r % 2 == 0 else list(reversed(compiled))
             for name in order:
-                samples[name].append(timed_ms(lambda fn=compiled[name]: fn(*inputs)))
+                samples[name].append(time_call(lambda fn=compiled[name]: fn(*inputs), inner=CALLS, on_cuda=True))
         norms = {name: norm_kernels_ms(lambda fn=fn: fn(*inputs)) for name, fn in compiled.items()}
     diff = (logits["realize_residuals"].float() - logits["inductor default"].float()).abs().max().item()
     result = {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),

@@ -38,8 +38,8 @@ def rank_options(args: argparse.Namespace, *, progress: bool = True) -> RankOpti
     return opts
 
 
-# a rank's own memory beside its weights and the tensor being generated: Python, torch, gloo (a rank building llama3-8b
-# with 2 layers on a CPU peaked at 5.4 GB: 1.6 GB of weights, 3.2 GB for the embedding being generated, 0.7 GB else)
+# a rank's own memory beside its weights and the tensor being generated: Python, torch, gloo (benchmarks/probes/
+# cpu_memory_probe.py: 2 ranks building llama3-8b with 2 / 8 layers peaked at 11.1 / 13.9 GB, estimated 11.4 / 14.0)
 RANK_BASE_BYTES = 1 << 30
 
 
@@ -61,12 +61,24 @@ def available_host_memory() -> int | None:
     return avail
 
 
+def cpu_memory_needed(
+    cfg: ModelConfig, dtype: torch.dtype, *, tp: int, local_ranks: int, random_weights: bool
+) -> tuple[int, int, int]:
+    """(bytes in all, of which weights, per rank beside them) that `local_ranks` of a TP=`tp` build of cfg need on
+    one machine's CPU: their share of the weights, plus per rank a base and, for random weights, the largest tensor
+    being generated (in fp32, then in the model dtype)."""
+    from tpweave.models.weights import full_shapes, weight_bytes
+
+    weights = weight_bytes(cfg, dtype) * local_ranks // tp
+    largest = max(math.prod(shape) for shape in full_shapes(cfg).values())
+    per_rank = RANK_BASE_BYTES + (largest * (4 + dtype.itemsize) if random_weights else 0)
+    return weights + local_ranks * per_rank, weights, per_rank
+
+
 def check_cpu_memory(args: argparse.Namespace) -> None:
     """CLIError before any rank starts when the ranks would run on this machine's CPU and need more memory than it
-    has available (the kernel would kill a rank mid-build): the weights of its ranks, plus per rank a base and,
-    for random weights, the largest tensor being generated (in fp32, then in the model dtype)."""
+    has available (the kernel would kill a rank mid-build), as `cpu_memory_needed` estimates it."""
     from tpweave.models import resolve_config
-    from tpweave.models.weights import full_shapes, weight_bytes
 
     if torch.cuda.is_available():
         return
@@ -75,12 +87,10 @@ def check_cpu_memory(args: argparse.Namespace) -> None:
         return
     num_layers = getattr(args, "num_layers", None)
     cfg = resolve_config(args.model, **({"num_layers": num_layers} if num_layers else {}))
-    dtype = DTYPES[args.dtype]
     local = min(args.tp, int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))  # ranks on this machine
-    weights = weight_bytes(cfg, dtype) * local // args.tp
-    largest = max(math.prod(shape) for shape in full_shapes(cfg).values())
-    per_rank = RANK_BASE_BYTES + (0 if Path(args.model).is_dir() else largest * (4 + dtype.itemsize))
-    need = weights + local * per_rank
+    need, weights, per_rank = cpu_memory_needed(
+        cfg, DTYPES[args.dtype], tp=args.tp, local_ranks=local, random_weights=not Path(args.model).is_dir()
+    )
     if need > avail:
         gb = 1e9
         raise CLIError(
