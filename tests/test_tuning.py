@@ -248,6 +248,30 @@ def test_bench_layer_compiles_every_arm_at_every_size():
     assert len(auto) == 3 and all({"ratio", "lo", "hi", "flagged"} <= r["aa"].keys() for r in auto)
 
 
+def test_bench_latency_defaults_leave_out_the_shapes_past_the_models_positions(monkeypatch, capsys):
+    """Given shapes past the model's positions are refused (below); the default sweep is cut to the model, saying
+    what it left out, before any rank starts."""
+    import tpweave.cli.bench as cli_bench
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def stop(args):
+        seen.update(prefill=args.prefill, decode=args.decode)
+        raise Stop
+
+    monkeypatch.setattr(cli_bench, "rank_options", stop)
+    with pytest.raises(Stop):
+        cli_main(["bench", "latency", "--model", "tiny", "--decode", "2x64"])
+    assert (1, 4096) in seen["prefill"] and max(n for _, n in seen["prefill"]) == 4096
+    assert seen["decode"] == [(2, 64)]
+    err = capsys.readouterr().err
+    assert "--prefill default: left out 1x8192, 1x16384, 1x32768 (the model has 4096 positions)" in err
+    assert "--decode default" not in err
+
+
 def test_cli_rejects_bad_arguments(capsys):
     assert cli_main(["bench", "layer", "--model", "tiny", "-tp", "5"]) == 2
     assert "TP=5 does not divide" in capsys.readouterr().err

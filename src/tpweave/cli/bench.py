@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from tpweave.cli.common import cached_table, model_config, rank_options
@@ -139,14 +140,23 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     kernel proof failed or an arm fell back."""
     from tpweave.bench.provenance import gpu_state
     from tpweave.bench.results import DECODE_COLUMNS, PREFILL_COLUMNS, markdown_table, run_metadata
+    from tpweave.cli.parser import LATENCY_DECODE, LATENCY_PREFILL, shape_pairs
 
     cfg = model_config(args)
-    too_long = [f"{b}x{n}" for b, n in args.prefill + args.decode if n > cfg.max_position_embeddings]
+    positions = cfg.max_position_embeddings
+    too_long = [f"{b}x{n}" for b, n in (args.prefill or []) + (args.decode or []) if n > positions]
     if too_long:
-        raise CLIError(
-            f"--prefill/--decode lengths {', '.join(too_long)} exceed the model's "
-            f"{cfg.max_position_embeddings} positions"
-        )
+        raise CLIError(f"--prefill/--decode lengths {', '.join(too_long)} exceed the model's {positions} positions")
+    for flag, default in (("prefill", LATENCY_PREFILL), ("decode", LATENCY_DECODE)):
+        if getattr(args, flag) is None:
+            shapes = shape_pairs(default)
+            setattr(args, flag, [(b, n) for b, n in shapes if n <= positions])
+            left_out = [f"{b}x{n}" for b, n in shapes if n > positions]
+            if left_out:
+                note = f"left out {', '.join(left_out)} (the model has {positions} positions)"
+                print(f"tpweave: --{flag} default: {note}", file=sys.stderr)
+            if not getattr(args, flag):
+                raise CLIError(f"--{flag}: no default shape fits the model's {positions} positions; give --{flag}")
     opts = rank_options(args)
     out, name = _out(args, f"latency-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     worker_args = (args.model, args.dtype, args.num_layers, args.prefill, args.decode, _settings(args))

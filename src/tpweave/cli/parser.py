@@ -82,6 +82,11 @@ def shape_pairs(text: str) -> list[tuple[int, int]]:
     return out
 
 
+# bench latency's shapes unless --prefill / --decode are given; the ones past the model's positions are left out
+LATENCY_PREFILL = "1x128,1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x512,4x2048,8x1024"
+LATENCY_DECODE = "1x1024,4x1024,16x1024,64x1024,128x1024,256x1024,1x4096,16x4096,64x4096"
+
+
 def rates(text: str) -> list[float]:
     """'2,8,inf' -> [2.0, 8.0, inf]: request rates > 0 per second; inf sends every request at once."""
     out = []
@@ -231,14 +236,12 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     lat.add_argument(
         "--prefill",
         type=shape_pairs,
-        default="1x128,1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x512,4x2048,8x1024",
-        help="BATCHxINPUT_LEN pairs",
+        help=f"BATCHxINPUT_LEN pairs (default: those of {LATENCY_PREFILL} within the model's positions)",
     )
     lat.add_argument(
         "--decode",
         type=shape_pairs,
-        default="1x1024,4x1024,16x1024,64x1024,128x1024,256x1024,1x4096,16x4096,64x4096",
-        help="BATCHxCONTEXT pairs",
+        help=f"BATCHxCONTEXT pairs (default: those of {LATENCY_DECODE} within the model's positions)",
     )
     lat.add_argument("--no-verify", action="store_true", help="skip the profiler check of which kernels ran")
     _output(lat)
