@@ -115,6 +115,24 @@ def prefill_stacks(tokens: int, *, layers: int, warm: int, reps: int) -> list[di
     return rows
 
 
+def decode_gemms() -> list[dict]:
+    """Each decode-size GEMM at M = 1..256 under each library (module doc)."""
+    rows = []
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for m in (1, 8, 64, 256):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                us = time_us(lambda: torch.mm(x, w.t()))
+                gbs = (w.numel() + x.numel() + m * n) * 2 / us / 1e3
+                rows.append(
+                    dict(lib=lib, gemm=name, m=m, us=round(us, 2), gb_s=round(gbs),
+                         kernels=kernels(lambda: torch.mm(x, w.t())))
+                )  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -125,31 +143,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.prefill_tokens:
         rows = prefill_stacks(args.prefill_tokens, layers=args.layers, warm=args.warm, reps=args.reps)
-        for row in rows:
-            print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    rows = []
-    for lib in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(lib)
-        for name, (n, k) in SHAPES.items():
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            for m in (1, 8, 64, 256):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                us = time_us(lambda: torch.mm(x, w.t()))
-                gbs = (w.numel() + x.numel() + m * n) * 2 / us / 1e3
-                row = dict(
-                    lib=lib,
-                    gemm=name,
-                    m=m,
-                    us=round(us, 2),
-                    gb_s=round(gbs),
-                    kernels=kernels(lambda: torch.mm(x, w.t())),
-                )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    else:
+        rows = decode_gemms()
+    for row in rows:
+        print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
