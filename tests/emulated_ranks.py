@@ -98,7 +98,7 @@ class EmulatedSymmetricMemory:
     def reserve(self, group_name, numel, dtype, device, *, tag="staging"):
         from torch.multiprocessing.reductions import reduce_tensor
 
-        from tpweave.ops.symm_buffers import SymmBuffer
+        from tpweave.ops.symm_buffers import SymmBuffer, outside_graph_pools
 
         key = (group_name, dtype, torch.device(device), tag)
         held = self.buffers.get(key)
@@ -107,16 +107,23 @@ class EmulatedSymmetricMemory:
                 raise RuntimeError(f"emulated symmetric buffer {key} grows during CUDA graph capture")
             if held is not None:
                 self.retired.append(held)
-            buf = torch.zeros(numel, dtype=dtype, device=device)
-            pad = torch.zeros(self.pad_numel, dtype=torch.int32, device=device)
-            torch.cuda.synchronize()  # zeroed before a peer's kernel may touch them
+            # outside every CUDA graph pool, as torch's symmetric allocator is (symm_buffers.outside_graph_pools)
+            buf, pad = outside_graph_pools(
+                lambda: (
+                    torch.zeros(numel, dtype=dtype, device=device),
+                    torch.zeros(self.pad_numel, dtype=torch.int32, device=device),
+                ),
+                torch.device(device),
+            )  # zeroed (synchronized) before a peer's kernel may touch them
             shared = [None] * self.world_size
             dist.all_gather_object(shared, (reduce_tensor(buf), reduce_tensor(pad)))
             bufs, pads = [], []
             for r, ((rebuild_buf, buf_args), (rebuild_pad, pad_args)) in enumerate(shared):
                 bufs.append(buf if r == self.rank else rebuild_buf(*buf_args))
                 pads.append(pad if r == self.rank else rebuild_pad(*pad_args))
-            handle = EmulatedHandle(self.rank, self.world_size, bufs, pads, self.signal)
+            handle = outside_graph_pools(  # its device pointer tables too
+                lambda: EmulatedHandle(self.rank, self.world_size, bufs, pads, self.signal), torch.device(device)
+            )
             held = self.buffers[key] = SymmBuffer(buf, handle)
         return held
 

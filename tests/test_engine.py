@@ -165,7 +165,8 @@ def test_gpu_llama3_8b_engine_tokens_match_teacher_forced_eager():
 def test_decode_buckets_and_padded_graph_inputs():
     from tpweave.engine.block_manager import slot_of
     from tpweave.engine.config import EngineConfig
-    from tpweave.engine.model_runner import ModelRunner, decode_buckets
+    from tpweave.engine.buckets import decode_buckets
+    from tpweave.engine.model_runner import ModelRunner
     from tpweave.engine.scheduler import ScheduledChunk
     from tpweave.engine.sequence import Sequence
 
@@ -194,6 +195,52 @@ def test_decode_buckets_and_padded_graph_inputs():
     assert fresh.device.type == "cpu" and bool(fresh)
     for chunks in ([ScheduledChunk(seqs[0], 0, 5), ScheduledChunk(seqs[1], 1, 1)], [ScheduledChunk(seqs[0], 2, 3)]):
         assert not bool(runner._inputs(chunks)[-1])
+    # padded up to a piecewise bucket: the padding rows one more sequence, fresh, in the pad block (8)
+    chunks = [ScheduledChunk(seqs[0], 2, 3), ScheduledChunk(seqs[1], 0, 2)]
+    ids, pos, cu, slots, ctx_lens, tables, bs, rows, fresh = runner._inputs(chunks, pad_to=11, rows_to=4)
+    assert ids.tolist() == [3, 4, 5, 7, 8] + [0] * 6 and pos.tolist() == [2, 3, 4, 0, 1, 0, 1, 2, 3, 4, 5]
+    assert cu.tolist() == [0, 3, 5, 11] and ctx_lens.tolist() == [5, 2, 6] and not bool(fresh)
+    assert tables.shape == (3, 2) and tables[2].tolist() == [8, 8] and tables[0].tolist() == [3, 5]
+    assert slots[5:].tolist() == [8 * 4 + p % 4 for p in range(6)]
+    assert rows.tolist() == [2, 4, 4, 4]  # each chunk's last row, the last one repeated up to rows_to
+    unpadded = runner._inputs(chunks)
+    for got, want in zip((ids, pos, slots), (unpadded[0], unpadded[1], unpadded[3])):
+        assert got[:5].tolist() == want.tolist()
+
+
+def test_prefill_buckets_pad_a_step_by_at_most_an_eighth_past_256_tokens():
+    from tpweave.engine.buckets import bucket_for, prefill_buckets
+    from tpweave.engine.config import EngineConfig
+
+    buckets = prefill_buckets(2048)
+    assert buckets[:16] == list(range(16, 257, 16)) and buckets[-1] == 2048 and len(buckets) == 16 + 3 * 8
+    assert {576, 1024, 1152, 2048} <= set(buckets)  # 64 decodes + a 512-token chunk: no padding
+    for m in range(1, 2049):
+        b = bucket_for(buckets, m)
+        assert b >= m and (b - m < 16 if m <= 256 else (b - m) / m < 1 / 8), (m, b)
+    assert bucket_for(buckets, 2049) is None
+    assert prefill_buckets(100) == [16, 32, 48, 64, 80, 96, 100] and prefill_buckets(5) == [5]
+    assert prefill_buckets(300)[-3:] == [256, 288, 300]
+    assert EngineConfig(max_num_batched_tokens=64, prefill_graph_sizes=(64, 8, 8)).prefill_graph_sizes == (8, 64)
+    with pytest.raises(ValueError, match=r"prefill_graph_sizes must be integers in \[1, 64\]"):
+        EngineConfig(max_num_batched_tokens=64, prefill_graph_sizes=(128,))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_padded_steps_give_the_unpadded_engines_tokens(tp):
+    """Prefill and mixed steps padded up to a bucket (one more sequence of padding rows in the pad block, the
+    sampled rows padded too), as the engine does for piecewise CUDA graphs: the same tokens, at TP 1 and 2,
+    through chunked prefill and preemption."""
+    good, _ = _prompts()
+    ref, _, _ = workers.engine_generate(tpweave.TPContext.single(), good, 8, ENGINE)
+    if tp == 1:
+        got, _, _, stats = workers.engine_generate(tpweave.TPContext.single(), good, 8, ENGINE, pad_to=[16])
+    else:
+        results = tpweave.launch(workers.engine_generate, good, 8, ENGINE, 0.0, (), False, [16], nprocs=2)
+        assert results[0] == results[1]
+        got, _, _, stats = results[0]
+    assert stats["piecewise"] > 0 and stats["padded_tokens"] > 0 and stats["eager"] == 0, stats
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
 
 
 def test_paged_attention_with_rope_inside_equals_rope_then_attention_on_cpu():

@@ -109,9 +109,9 @@ def test_token_split_range_from_layer_rows_and_the_plan_that_uses_it():
     with_table = plan(CompileOptions(table=table), two, None)
     assert set(with_table.variants) == {"plain", "sp", "split"} and with_table.token_split_min_tokens == 1024
     assert plan(CompileOptions(table=table, token_split_min_tokens=8), two, None).token_split_min_tokens == 8
-    # the fused side-stream all-reduce + norm: 8 SMs by default, off under Inductor's CUDA graph trees
+    # the fused side-stream all-reduce + norm: 8 SMs by default, in every graph mode
     assert with_table.variants["split"].token_split_sms == 8
-    assert plan(CompileOptions(table=table, cudagraphs=True), two, None).variants["split"].token_split_sms == 0
+    assert plan(CompileOptions(table=table, cudagraphs=True), two, None).variants["split"].token_split_sms == 8
     assert "split" not in plan(CompileOptions(table=table), one, None).variants
     assert "split" not in plan(CompileOptions(table=None), two, None).variants
 
@@ -285,23 +285,25 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--arms takes baseline and/or auto" in capsys.readouterr().err
 
 
-def test_strategies_with_symmetric_state_are_kept_out_of_inductor_cudagraphs():
-    """On 2x H200, torch's fused ops inside Inductor's CUDA graph trees failed ('tensors in the
-    cudagraph pool not tracked'): with cudagraphs=True such strategies become 'sequential'."""
-    from tpweave.compiler import PassOptions
+def test_every_strategy_stays_in_every_graph_mode():
+    """Inductor's CUDA graph trees and graph partition get the very plan eager runs get: no strategy is
+    swapped for 'sequential' (their persistent state lives outside every graph pool: ops/symm_buffers.py)."""
+    from tpweave.compiler.options import CompileOptions, plan
+    from tpweave.compiler.tp_group import TPGroup
 
-    table_policies = (("all_reduce:8x8", "symm_mem_one_shot@0,sequential@512"),)
-    trees = PassOptions(
-        sp=True,
-        async_tp=True,
-        ag_mm_policy="sequential@0,symm_mem_fused@2048",
-        site_policies=table_policies,
-        cudagraph_trees=True,
+    everything = ",".join(f"{name}@{16 * i}" for i, name in enumerate(STRATEGIES))
+    table = StrategyTable(
+        key=table_key(get_preset("tiny"), tp=2, dtype=torch.float32),
+        sp_min_tokens=64,
+        token_split_min_tokens=16,
+        policies={"all_reduce:8x8": everything, "ag_mm:4x4": everything},
     )
-    assert trees.policy("ag_mm", 4, 4) == "sequential@0,sequential@2048"
-    assert trees.policy("all_reduce", 8, 8) == "sequential@0,sequential@512"
-    plain = PassOptions(
-        sp=True, async_tp=True, ag_mm_policy="sequential@0,symm_mem_fused@2048", site_policies=table_policies
-    )
-    assert plain.policy("ag_mm", 4, 4) == "sequential@0,symm_mem_fused@2048"
-    assert plain.policy("all_reduce", 8, 8) == "symm_mem_one_shot@0,sequential@512"
+    two = TPGroup("g", 0, 2, "nccl")
+    options = dict(table=table, ag_mm_policy=everything, mm_rs_policy=everything, all_reduce_policy=everything)
+    eager = plan(CompileOptions(**options), two, None)
+    for modes in ({"cudagraphs": True}, {"cudagraphs": True, "piecewise": True}, {"piecewise": True}):
+        graphed = plan(CompileOptions(**options, **modes), two, None)
+        assert graphed.variants == eager.variants, modes
+        assert graphed.variants["sp"].policy("ag_mm", 4, 4) == everything
+        assert graphed.variants["plain"].policy("all_reduce", 8, 8) == everything
+        assert graphed.variants["split"].token_split_sms == 8

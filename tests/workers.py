@@ -437,14 +437,21 @@ def reported_dynamo_limits(ctx, token_counts):
     return results
 
 
-def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, stop_token_ids=(), with_calls=False):
+def engine_generate(
+    ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, stop_token_ids=(), with_calls=False, pad_to=None
+):
+    """pad_to: prefill and mixed steps padded up to these token counts, as for piecewise CUDA graphs (none on a
+    CPU: the padding alone); then the runner's step counts come back too."""
     import torch
 
     import tpweave
+    from tpweave.compiler.piecewise import PiecewiseGraphs
     from tpweave.engine import LLMEngine, SamplingParams
 
     torch._dynamo.reset()  # engines built one after another in a process: each compiles afresh
     engine = LLMEngine(ctx, "tiny", **engine_kwargs)
+    if pad_to is not None:
+        engine.runner.pieces, engine.runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
     params = SamplingParams(
         temperature=temperature, top_p=0.9, max_tokens=max_tokens, seed=3, stop_token_ids=tuple(stop_token_ids)
     )
@@ -453,6 +460,8 @@ def engine_generate(ctx, prompts, max_tokens, engine_kwargs, temperature=0.0, st
     num_compiles = tpweave.report(forward).num_compiles if hasattr(forward, "compile_report") else 0
     if with_calls:  # how many steps each graph variant served
         return results, engine.num_steps, num_compiles, dict(forward.calls)
+    if pad_to is not None:
+        return results, engine.num_steps, num_compiles, dict(engine.runner.step_stats)
     return results, engine.num_steps, num_compiles
 
 

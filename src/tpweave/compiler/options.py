@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from tpweave.compiler.piecewise import PIECEWISE_CUT_OPS, PiecewiseGraphs
 from tpweave.compiler.tp_group import TPGroup
 from tpweave.log import logger
 from tpweave.ops import pdl
-from tpweave.ops.strategies import check_policy, without_unsafe_under_cudagraph_trees
+from tpweave.ops.strategies import check_policy
 from tpweave.tuning.table import SiteShape, StrategyTable
 
 if TYPE_CHECKING:
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 DEFAULT_SP_MIN_TOKENS = 2048
 DEFAULT_OVERLAP_POLICY = "sequential@0,symm_mem_fused@2048"
 DEFAULT_AR_NORM_POLICY = "triton_ar_norm"
-# Attention ops cut the piecewise CUDA graphs (opaque to Inductor, shapes vary per step).
-ATTENTION_OPS = ("tpweave::attention", "tpweave::paged_attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +64,10 @@ class CompileOptions:
     all_reduce_policy: str = "sequential"
     all_reduce_rms_norm_policy: str | None = None  # None: triton_ar_norm on NCCL, else not fused
     cudagraphs: bool = False  # Inductor's CUDA graph trees
-    piecewise: bool = False  # Inductor graph partition, cut at the attention ops
+    piecewise: bool = False  # Inductor graph partition, cut at the attention ops, each piece in CUDA graph trees
+    # the engine's piecewise CUDA graphs (compiler/piecewise.py): Inductor graph partition, cut at the attention ops
+    # and at tpweave::select_rows, every piece called through this object (not with cudagraphs / piecewise)
+    piecewise_graphs: PiecewiseGraphs | None = None
     num_tokens_fn: Callable[[tuple], int] | None = None  # M from the call's arguments
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
 
@@ -100,6 +102,16 @@ class CompileOptions:
                     check_policy(policy)
                 except ValueError as e:
                     raise ValueError(f"option {name}: {e}") from None
+        if self.piecewise_graphs is not None:
+            if not isinstance(self.piecewise_graphs, PiecewiseGraphs):
+                raise TypeError(
+                    f"piecewise_graphs must be a PiecewiseGraphs, got {type(self.piecewise_graphs).__name__}"
+                )
+            if self.cudagraphs or self.piecewise:
+                raise ValueError(
+                    "piecewise_graphs (the engine's own piecewise CUDA graphs) and cudagraphs / piecewise (Inductor's "
+                    "CUDA graph trees) both capture the same pieces: choose one"
+                )
         if self.num_tokens_fn is not None and not callable(self.num_tokens_fn):
             raise TypeError(f"num_tokens_fn must be callable, got {type(self.num_tokens_fn).__name__}")
 
@@ -114,11 +126,11 @@ class CompileOptions:
     def inductor_config(self) -> dict[str, Any]:
         """Inductor config patches these options imply."""
         config: dict[str, Any] = {}
-        if self.cudagraphs:
+        if self.cudagraphs or self.piecewise:
             config["triton.cudagraphs"] = True
-        if self.piecewise:
+        if self.piecewise or self.piecewise_graphs is not None:
             config["graph_partition"] = True
-            config["custom_should_partition_ops"] = list(ATTENTION_OPS)
+            config["custom_should_partition_ops"] = list(PIECEWISE_CUT_OPS)
         if self.realize_residuals:
             config["realize_reads_threshold"] = 1  # a pointwise node of 2+ reads and 2+ users is stored once
         from torch._inductor import config as inductor
@@ -144,7 +156,6 @@ class PassOptions:
     all_reduce_policy: str = "sequential"
     all_reduce_rms_norm_policy: str = "sequential"  # "sequential": not fused (Inductor's add + norm)
     site_policies: tuple[tuple[str, str], ...] = ()  # (SiteShape name, policy), from the table
-    cudagraph_trees: bool = False  # compiled with Inductor's CUDA graphs (cudagraphs=True)
     token_split: bool = False  # the plain graph as two interleaved token subsets (compiler/token_split.py)
     token_split_sms: int = 0  # > 0: their all-reduce + norm fused on a side stream on this many SMs
     decode_gemv: bool = False  # linear layers through tpweave::linear (compiler/decode_gemv.py), after the passes
@@ -166,8 +177,7 @@ class PassOptions:
             "all_reduce": self.all_reduce_policy,
             "all_reduce_rms_norm": self.all_reduce_rms_norm_policy,
         }
-        policy = dict(self.site_policies).get(SiteShape(kind, k, n).name, defaults.get(kind, "sequential"))
-        return without_unsafe_under_cudagraph_trees(policy) if self.cudagraph_trees else policy
+        return dict(self.site_policies).get(SiteShape(kind, k, n).name, defaults.get(kind, "sequential"))
 
     def policies(self, kinds: tuple[str, ...] | None = None) -> list[str]:
         """Every policy a site of this variant may carry (of `kinds`, default all of its kinds): the
@@ -194,6 +204,7 @@ class CompilePlan:
     strict: bool = False
     inductor_config: dict[str, Any] = field(default_factory=dict)
     token_split_min_tokens: int | None = None  # the "split" variant from this M on (below sp_min_tokens)
+    piecewise_graphs: PiecewiseGraphs | None = None  # Inductor's partition wrapper while compiling
 
     def agreement(self) -> dict[str, Any]:
         """What every rank must have decided alike (else their graphs' collectives would not match)."""
@@ -219,7 +230,7 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     fuse_norm = nccl and tp.world_size > 1
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
-    common = dict(site_policies=site_policies, cudagraph_trees=options.cudagraphs)
+    common = dict(site_policies=site_policies)
     # not the SP graph: it serves M in the thousands
     gemv = dict(decode_gemv=options.decode_gemv, norm_gemv=options.norm_gemv)
     variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
@@ -233,10 +244,12 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     if tp.world_size == 1:
         split_min = None  # one rank: nothing to overlap
     if split_min is not None:
-        # the fused kernel keeps symmetric memory, which Inductor's CUDA graph trees cannot hold (as for the strategies)
-        sms = 0 if options.cudagraphs else options.token_split_sms
-        variants["split"] = PassOptions(False, False, token_split=True, token_split_sms=sms, **common, **gemv)
-    return CompilePlan(variants, sp_min, table_text, options.strict, options.inductor_config(), split_min)
+        variants["split"] = PassOptions(
+            False, False, token_split=True, token_split_sms=options.token_split_sms, **common, **gemv
+        )
+    return CompilePlan(
+        variants, sp_min, table_text, options.strict, options.inductor_config(), split_min, options.piecewise_graphs
+    )
 
 
 def _table(table: StrategyTable | str | None, module: object, tp: TPGroup) -> tuple[StrategyTable | None, str]:

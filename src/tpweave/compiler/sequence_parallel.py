@@ -48,6 +48,7 @@ FULL_CONSUMERS = {
     tpw.paged_attention.default,
     funcol.all_gather_into_tensor.default,
     aten.index.Tensor,  # e.g. picking the last token of each sequence for the LM head
+    tpw.select_rows.default,
     aten.index_select.default,
     aten.gather.default,
     aten.embedding.default,

@@ -11,6 +11,7 @@ split variant: token_split (the plain graph as two token subsets, their all-redu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -23,6 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from tpweave.compiler import allreduce, allreduce_norm, async_tp, decode_gemv, sequence_parallel, token_split
 from tpweave.compiler.graph_utils import count_collectives, dispatched_ops
 from tpweave.compiler.options import CompilePlan, PassOptions
+from tpweave.compiler.piecewise import PiecewiseGraphs
 from tpweave.compiler.report import CompileReport, GraphReport
 from tpweave.compiler.tp_group import TPGroup
 from tpweave.log import logger
@@ -95,6 +97,7 @@ class TPBackend:
     def __init__(self, *, variant: str, tp: TPGroup, plan: CompilePlan, report: CompileReport):
         self.variant, self.tp, self.options, self.strict = variant, tp, plan.variants[variant], plan.strict
         self.report, self.inductor_config = report, plan.inductor_config
+        self.piecewise_graphs = plan.piecewise_graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         """Compile one graph Dynamo traced (see the class doc)."""
@@ -129,12 +132,34 @@ class TPBackend:
         if tp_pass is not None:
             # The report is written by the pass: a cache hit would skip it, so compile for real.
             patches |= {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        with torch._functorch.config.patch(enable_autograd_cache=False), _partition_wrapper(self.piecewise_graphs):
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _note(self, graph_report: GraphReport, msg: str) -> None:
         logger.warning("[%s] %s", self.variant, msg)
         graph_report.notes.append(msg)
+
+
+@contextlib.contextmanager
+def _partition_wrapper(graphs: PiecewiseGraphs | None):
+    """While compiling: Inductor calls every graph partition through `graphs` (none: as it was). torch keeps the
+    wrapper process-wide and applies it when a compiled graph is loaded, within compile_fx."""
+    if graphs is None:
+        yield
+        return
+    from torch._inductor import utils
+
+    holder = getattr(utils, "_unstable_customized_partition_wrapper", None)
+    if holder is None or not hasattr(utils, "set_customized_partition_wrappers"):
+        raise RuntimeError(
+            f"piecewise_graphs needs Inductor's partition wrappers (torch >= 2.9), not in torch {torch.__version__}"
+        )
+    before = holder.wrapper
+    utils.set_customized_partition_wrappers(graphs.wrap)
+    try:
+        yield
+    finally:
+        utils.set_customized_partition_wrappers(before)
 
 
 def describe(e: BaseException) -> str:

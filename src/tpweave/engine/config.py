@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tpweave.engine.buckets import check_sizes
 from tpweave.models.config import ModelConfig
 
 
@@ -18,7 +19,9 @@ class EngineConfig:
 
     num_blocks=None: sized from free GPU memory on CUDA (256 on CPU). max_model_len=None: the model's
     max_position_embeddings. baseline=True: plain TP (the model's NCCL all-reduces, no SP or async TP),
-    for A/B runs. cuda_graphs: decode steps replay a graph captured per batch-size bucket (CUDA only).
+    for A/B runs. cuda_graphs: decode steps replay a graph captured per batch-size bucket (CUDA only), and with
+    piecewise_graphs prefill and mixed steps replay the pieces between attention ops, captured per token-count
+    bucket (`prefill_graph_sizes`, default engine/buckets.py's up to max_num_batched_tokens; steps padded up).
     async_scheduling: plan and launch each step before reading the previous step's tokens (engine/llm_engine.py).
     model_overrides: ModelConfig fields to change (e.g. num_layers)."""
 
@@ -34,6 +37,8 @@ class EngineConfig:
     sp_min_tokens: int | None = None
     token_split_min_tokens: int | None = None  # None: the calibration table's (CompileOptions)
     cuda_graphs: bool = True
+    piecewise_graphs: bool = True
+    prefill_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
     model_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -46,6 +51,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.prefill_graph_sizes is not None:
+            sizes = check_sizes(self.prefill_graph_sizes, self.max_num_batched_tokens, "prefill_graph_sizes")
+            object.__setattr__(self, "prefill_graph_sizes", tuple(sizes))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.dtype, torch.dtype):

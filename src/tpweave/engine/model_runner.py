@@ -1,5 +1,5 @@
-"""One per rank: owns the model, its paged KV cache, the step's input tensors, CUDA graphs of decode
-steps, and sampling.
+"""One per rank: owns the model, its paged KV cache, the step's input tensors, its CUDA graphs, and
+sampling.
 
 A step is launched, not waited for: launch() builds the inputs on the host (numpy), copies them to the
 device without blocking, runs the forward and the sampling, and starts copying the sampled tokens to
@@ -9,15 +9,19 @@ host has read the previous one's tokens.
 
 On CUDA the KV cache is sized from the memory left after an eager warm-up at the largest step
 (max_num_batched_tokens), agreed as the minimum over ranks. Decode steps (one new token per
-sequence) replay a CUDA graph captured per batch-size bucket; prefill and mixed steps run the
-compiled model with dynamic M. The page pool has one block more than the block manager hands out:
-padded rows of a graph bucket write their K/V there.
+sequence) replay a CUDA graph of the whole forward captured per batch-size bucket. Prefill and mixed
+steps are padded up to a token-count bucket (engine/buckets.py) and replay the compiled forward's
+pieces between its attention ops, captured per bucket (compiler/piecewise.py: the sequence-parallel,
+async-TP and token-split rewrites inside them), attention running eagerly between them; the padding
+rows are one more sequence, of their own, in the pad block. Every graph shares one memory pool. The
+page pool has one block more than the block manager hands out: padded rows of a graph bucket write
+their K/V there.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +30,8 @@ import torch.distributed as dist
 
 from tpweave import compiler
 from tpweave.compiler import PLAIN_TP, CompileOptions
+from tpweave.compiler.piecewise import PiecewiseGraphs
+from tpweave.engine.buckets import bucket_for, decode_buckets, prefill_buckets
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.sampling import request_seed, sample
 from tpweave.engine.scheduler import ScheduledChunk
@@ -35,12 +41,6 @@ from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
 
 DEFAULT_CPU_BLOCKS = 256
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 @dataclass
@@ -81,17 +81,33 @@ class ModelRunner:
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
+        graphs = config.cuda_graphs and self.on_cuda
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None  # shared by every graph of this runner
+        self.pieces: PiecewiseGraphs | None = None
         # Compiled at every TP: at TP=1 there is no communication to rewrite, but Inductor fuses the norms,
         # RoPE and activations that would otherwise run as separate eager kernels.
         if config.compile_model:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             options = PLAIN_TP if config.baseline else CompileOptions()
+            if graphs and config.piecewise_graphs:
+                model = self.model
+                self.pieces = PiecewiseGraphs(
+                    stable=lambda: itertools.chain(model.parameters(), model.buffers()), pool=self._pool
+                )
+                options = options.replace({"piecewise_graphs": self.pieces})
             self.forward = compiler.compile(
                 self.model,
                 options=options,
                 sp_min_tokens=config.sp_min_tokens,
                 token_split_min_tokens=config.token_split_min_tokens,
             )
+        self.prefill_buckets: list[int] = []
+        if self.pieces is not None:
+            self.prefill_buckets = list(config.prefill_graph_sizes or prefill_buckets(config.max_num_batched_tokens))
+        self._row_buckets = decode_buckets(config.max_num_seqs)  # sampled rows of a piecewise step, padded up
+        # steps by how they ran, tokens scheduled and padding rows added
+        self.step_stats = {"decode_graph": 0, "piecewise": 0, "eager": 0, "tokens": 0, "padded_tokens": 0}
+        self.capture_stats: dict[str, float] = {}
         self._last = LaunchedStep([])  # the latest launched step: pending tokens come from its samples
         self._last_rows: dict[int, int] = {}  # seq_id -> row of self._last.tokens
         # Two pinned buffers for sampled tokens, alternating: the one a step copies into was last used two
@@ -103,17 +119,26 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._static_out: dict[int, torch.Tensor] = {}  # each decode graph's output (logits of its bucket)
         self.num_graph_replays = 0
-        if config.cuda_graphs and self.on_cuda:
+        if graphs:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
             # workspaces for the largest M, so nothing is reallocated under a captured graph.
             self._largest_step(config.max_num_batched_tokens)
+            reserved = torch.cuda.memory_reserved(self.ctx.device)
+            if self.pieces is not None:
+                self._capture_piecewise(self.prefill_buckets)
+            start = time.perf_counter()
             self._capture_decode_graphs(decode_buckets(config.max_num_seqs))
+            torch.cuda.synchronize(self.ctx.device)
+            self.capture_stats["decode_capture_s"] = time.perf_counter() - start
+            self.capture_stats["graph_memory_bytes"] = torch.cuda.memory_reserved(self.ctx.device) - reserved
 
     def release(self) -> None:
-        """Drop the decode CUDA graphs, their outputs and the KV cache (before another runner allocates its
-        own in this process); the runner cannot step afterwards."""
+        """Drop the CUDA graphs, their outputs and the KV cache (before another runner allocates its own in
+        this process); the runner cannot step afterwards."""
         self.graphs.clear()
         self._static_out.clear()
+        if self.pieces is not None:
+            self.pieces.release()
         self.model.set_kv_cache(None)
 
     # -- memory -----------------------------------------------------------------------------------
@@ -164,23 +189,42 @@ class ModelRunner:
             tables[b, : len(table)] = table
         return tables
 
-    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple:
+    def _inputs(self, chunks: list[ScheduledChunk], *, pad_to: int | None = None, rows_to: int | None = None) -> tuple:
         """The forward's arguments for a step of any chunks (prefill, mixed): token ids, positions, cu_seqlens,
         KV slots, context lengths, block tables, block size, the row of each chunk's last token, and whether no
-        chunk has cached context (a CPU bool: attention over the new K/V alone)."""
+        chunk has cached context (a CPU bool: attention over the new K/V alone).
+
+        pad_to: that many token rows, the rows past the chunks' tokens one more sequence of its own (token 0,
+        positions from 0, K/V in the pad block, no cached context): what every other sequence computes is
+        unchanged. rows_to: that many logits rows, the last chunk's row repeated."""
         n, bs = len(chunks), self.block_size
         starts = np.fromiter((c.start for c in chunks), np.int64, n)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
-        cu = np.zeros(n + 1, dtype=np.int64)
+        fresh = bool((starts == 0).all())
+        rows = np.cumsum(lens) - 1
+        pad = 0 if pad_to is None else pad_to - int(lens.sum())
+        if pad < 0:
+            raise AssertionError(f"a step of {int(lens.sum())} tokens padded to {pad_to}")
+        width = max(len(c.seq.block_table) for c in chunks)
+        if pad:
+            starts, lens = np.append(starts, 0), np.append(lens, pad)
+            width = max(width, -(-pad // bs))
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         total = int(cu[-1])
         tokens = itertools.chain.from_iterable(c.seq.tokens(c.start, c.start + c.num_tokens) for c in chunks)
-        ids = np.fromiter(tokens, np.int64, total)
-        owner = np.repeat(np.arange(n), lens)  # the chunk of every token row
+        ids = np.zeros(total, dtype=np.int64)
+        ids[: total - pad] = np.fromiter(tokens, np.int64, total - pad)
+        owner = np.repeat(np.arange(len(lens)), lens)  # the chunk of every token row
         pending = self._pending(ids, lambda row: chunks[owner[row]].seq.seq_id)
         positions = np.arange(total, dtype=np.int64) - cu[:-1][owner] + starts[owner]
-        tables = self._tables(chunks, n, max(len(c.seq.block_table) for c in chunks), 0)
+        tables = self._tables(chunks, len(lens), width, 0)
+        if pad:
+            tables[n:] = self.pad_block
+            positions[total - pad :] %= self.model.config.max_position_embeddings
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        if rows_to is not None and rows_to > n:
+            rows = np.concatenate([rows, np.full(rows_to - n, rows[-1])])
         dev = self.ctx.device
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
@@ -189,7 +233,7 @@ class ModelRunner:
 
         ids_dev = self._fill_pending(put(ids), pending)
         return (ids_dev, put(positions), put(cu, torch.int32), put(slots), put(starts + lens, torch.int32),
-                put(tables), bs, put(cu[1:] - 1), torch.tensor(bool((starts == 0).all())))  # fmt: skip
+                put(tables), bs, put(rows), torch.tensor(fresh))  # fmt: skip
 
     def _pending(self, ids: np.ndarray, seq_of_row) -> np.ndarray | None:
         """(2, P) rows of `ids` holding PENDING and the rows of the previous step's samples they come from
@@ -223,10 +267,10 @@ class ModelRunner:
         ctx_lens = (pos + 1).astype(np.int32)
         return [torch.from_numpy(a) for a in (ids, pos, slots, ctx_lens, tables)]
 
-    @torch.no_grad()
-    def _largest_step(self, num_tokens: int) -> None:
-        """One prefill step of num_tokens tokens in two sequences (one sequence would make Dynamo specialize
-        the batch dim to 1, and every other step compile another graph) whose K/V all go to the pad block."""
+    def _dummy_args(self, num_tokens: int) -> tuple:
+        """The forward's arguments for a prefill step of num_tokens tokens in two sequences (one sequence would
+        make Dynamo specialize the batch dim to 1, and every other step compile another graph) whose K/V all go
+        to the pad block."""
         dev, bs = self.ctx.device, self.block_size
         first = max(num_tokens // 2, 1)
         lens = [first, num_tokens - first] if num_tokens >= 2 else [num_tokens]
@@ -236,8 +280,25 @@ class ModelRunner:
         tables = torch.full((len(lens), -(-max(lens) // bs)), self.pad_block, dtype=torch.int32, device=dev)
         positions = pos % self.model.config.max_position_embeddings
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        self.forward(ids, positions, cu, slots, cu[1:] - cu[:-1], tables, bs, cu[1:].long() - 1, torch.tensor(False))
-        torch.cuda.synchronize(dev)
+        return ids, positions, cu, slots, cu[1:] - cu[:-1], tables, bs, cu[1:].long() - 1, torch.tensor(False)
+
+    @torch.no_grad()
+    def _largest_step(self, num_tokens: int) -> None:
+        """One prefill step of num_tokens tokens (`_dummy_args`), eagerly: compiles its graph, sizes workspaces."""
+        self.forward(*self._dummy_args(num_tokens))
+        torch.cuda.synchronize(self.ctx.device)
+
+    @torch.no_grad()
+    def _capture_piecewise(self, buckets: list[int]) -> None:
+        """The pieces of a prefill step of every bucket's token count captured, largest first."""
+        progress("capturing piecewise CUDA graphs for %d prefill sizes (up to %d tokens)", len(buckets), max(buckets))
+        start = time.perf_counter()
+        for num_tokens in sorted(buckets, reverse=True):
+            with self.pieces.replaying():
+                self.forward(*self._dummy_args(num_tokens))
+        torch.cuda.synchronize(self.ctx.device)
+        self.capture_stats["piecewise_capture_s"] = time.perf_counter() - start
+        self.capture_stats["piecewise_graphs"] = self.pieces.num_graphs
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
         progress("capturing decode CUDA graphs for %d batch sizes (up to %d)", len(buckets), max(buckets))
@@ -246,7 +307,6 @@ class ModelRunner:
         self._static_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self._static_rows = torch.arange(top, device=dev)  # int64, like the eager path's rows
         self._not_fresh = torch.tensor(False)  # decode: every sequence has context
-        pool = None
         with torch.no_grad():
             for bucket in sorted(buckets, reverse=True):  # largest first: workspaces sized once
                 args = self._bucket_args(bucket)
@@ -255,9 +315,8 @@ class ModelRunner:
                 if self.ctx.world_size > 1:
                     dist.barrier(group=self.ctx.group)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=self._pool):
                     self._static_out[bucket] = self.forward(*args)
-                pool = graph.pool()
                 self.graphs[bucket] = graph
         self._buckets = sorted(buckets)
 
@@ -280,7 +339,7 @@ class ModelRunner:
             return None
         if max(len(c.seq.block_table) for c in chunks) > self.max_blocks_per_seq:
             return None
-        bucket = self._buckets[bisect.bisect_left(self._buckets, len(chunks))]
+        bucket = bucket_for(self._buckets, len(chunks))
         host = self._decode_host_inputs(chunks, bucket)
         pending = self._pending(host[0].numpy(), lambda row: chunks[row].seq.seq_id)
         for dst, src in zip(self._static, host):
@@ -299,8 +358,21 @@ class ModelRunner:
         if not chunks:
             return LaunchedStep([])
         logits = self._decode_with_graph(chunks)
-        if logits is None:
-            logits = self.forward(*self._inputs(chunks))  # (B, V): the last row of each chunk
+        num_tokens = sum(c.num_tokens for c in chunks)
+        self.step_stats["tokens"] += num_tokens
+        if logits is not None:
+            self.step_stats["decode_graph"] += 1
+        else:
+            bucket = bucket_for(self.prefill_buckets, num_tokens) if self.pieces is not None else None
+            if bucket is None:
+                self.step_stats["eager"] += 1
+                logits = self.forward(*self._inputs(chunks))  # (B, V): the last row of each chunk
+            else:
+                self.step_stats["piecewise"] += 1
+                self.step_stats["padded_tokens"] += bucket - num_tokens
+                rows = bucket_for(self._row_buckets, len(chunks)) or len(chunks)
+                with self.pieces.replaying():
+                    logits = self.forward(*self._inputs(chunks, pad_to=bucket, rows_to=rows))[: len(chunks)]
         if not sampling:
             return LaunchedStep([])
         dev = logits.device

@@ -23,6 +23,7 @@ from tpweave.models.layers import (
     VocabParallelEmbedding,
 )
 from tpweave.ops import attention as _attention_op  # noqa: F401  (registers tpweave::attention)
+from tpweave.ops import select_rows as _select_rows_op  # noqa: F401  (registers tpweave::select_rows)
 from tpweave.runtime.context import TPContext
 
 
@@ -194,6 +195,6 @@ class LlamaForCausalLM(nn.Module):
         picks the rows whose logits are wanted (default: every token)."""
         kv = None if slot_mapping is None else KVMeta(slot_mapping, context_lens, block_tables, block_size, fresh)
         hidden = self.model(input_ids_M, positions_M, cu_seqlens, kv)
-        if logits_rows is not None:
-            hidden = hidden[logits_rows]
+        if logits_rows is not None:  # one op: where piecewise CUDA graphs cut (compiler/piecewise.py)
+            hidden = torch.ops.tpweave.select_rows(hidden, logits_rows)
         return self.lm_head(hidden)

@@ -1,17 +1,29 @@
-"""Symmetric-memory staging buffers, one per (group, dtype, device), grown before CUDA graph capture.
+"""Symmetric-memory staging buffers, one per (group, dtype, device), grown before CUDA graph capture,
+and the other state the strategies keep from call to call.
 
 Like NCCL communicators these are process-wide resources: a buffer must exist (rendezvoused on
 every rank) before a graph that uses it is captured, since capture cannot allocate or rendezvous.
-`reserve` sizes them for the largest M up front; growing during capture raises a clear error.
+`reserve` sizes them for the largest M up front; growing during capture raises a clear error. A
+buffer that grows is retired, not freed: graphs captured with it keep replaying it.
+
+Every such piece of state lives outside every CUDA graph's memory pool, so that any graph mode can hold
+the strategies: symmetric memory comes from its own allocator, and ordinary tensors kept across calls
+(call counters) are allocated by `outside_graph_pools`. Inductor's CUDA graph trees route every
+allocation of the thread that warms up or records a graph into that graph's pool; a tensor kept there
+past the call would be overwritten by a later replay (trees refuse it: "not tracked").
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -51,6 +63,46 @@ def reserve(
         tensor = symm_mem.empty(numel, dtype=dtype, device=device)
         buf = _BUFFERS[key] = SymmBuffer(tensor, symm_mem.rendezvous(tensor, group_name))
     return buf
+
+
+def outside_graph_pools(make: Callable[[], T], device: torch.device) -> T:
+    """make() run on a helper thread, whose allocations no CUDA graph pool takes (pools route by capturing
+    stream or by thread), its kernels finished before this returns. Not during a capture: the memory a
+    graph replays must exist before it is captured."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "tpweave: persistent state allocated during CUDA graph capture: run the step once before capturing it"
+        )
+    out: list = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                out.append(make())
+                torch.cuda.current_stream().synchronize()  # initialized before another stream reads it
+        except BaseException as e:  # re-raised on the caller's thread
+            out.append(e)
+
+    worker = threading.Thread(target=run, name="tpweave-alloc")
+    worker.start()
+    worker.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+# Every workspace torch's symm_mem fused ops allocated, process-wide: torch frees the old one when a larger call
+# regrows it, while CUDA graphs captured with the old one still replay it.
+_TORCH_WORKSPACES: list[torch.Tensor] = []
+
+
+def retain_torch_workspace(group_name: str) -> None:
+    """Keep the workspace torch's fused ops now use for `group_name` alive for the life of the process."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    tensor = getattr(symm_mem, "_group_name_to_workspace_tensor", {}).get(group_name)
+    if tensor is not None and not any(t is tensor for t in _TORCH_WORKSPACES):
+        _TORCH_WORKSPACES.append(tensor)
 
 
 def staged(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -2,13 +2,7 @@
 
 from tpweave.ops.strategies import ce_overlap, sequential, symm_mem_allreduce, symm_mem_fused, triton_ar_norm
 from tpweave.ops.strategies.contract import KINDS, Strategy, chosen_name, format_policy, parse_policy
-from tpweave.ops.strategies.registry import (
-    STRATEGIES,
-    check_policy,
-    has_own,
-    resolve,
-    without_unsafe_under_cudagraph_trees,
-)
+from tpweave.ops.strategies.registry import STRATEGIES, check_policy, has_own, resolve
 
 __all__ = [
     "KINDS",
@@ -25,5 +19,4 @@ __all__ = [
     "symm_mem_allreduce",
     "symm_mem_fused",
     "triton_ar_norm",
-    "without_unsafe_under_cudagraph_trees",
 ]

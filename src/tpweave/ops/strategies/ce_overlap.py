@@ -277,10 +277,7 @@ CE_OVERLAP = Strategy(
     ag_scaled_mm=ag_scaled_mm,
     scaled_mm_rs=scaled_mm_rs,
     available=_available,
-    cudagraph_trees_safe=False,
 )
 # The same pipeline with the peers' GEMMs on a second compute stream (all-gather side only: for mm_rs a
 # concurrent own-rows GEMM would only delay the push).
-CE_OVERLAP_2S = Strategy(
-    name="ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available, cudagraph_trees_safe=False
-)
+CE_OVERLAP_2S = Strategy(name="ce_overlap_2s", ag_mm=ag_mm_overlapped_gemms, available=_available)

@@ -151,9 +151,6 @@ class Strategy:
     mm_rs_rms_norm: MmRsRmsNorm | None = None
     # Whether this strategy can run on x's device, dtype and build (False: `sequential` runs instead).
     available: Callable[[Tensor], bool] = _always
-    # False: keeps symmetric-memory state that Inductor's CUDA graph trees would allocate inside their
-    # pool on the first (recording) call and then reject ("tensors in the cudagraph pool not tracked").
-    cudagraph_trees_safe: bool = True
 
     def implementation(self, kind: str) -> Callable | None:
         """The callable serving `kind`: the strategy's own slot, or for a fused norm kind its base op

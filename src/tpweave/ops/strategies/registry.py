@@ -16,7 +16,7 @@ from types import MappingProxyType
 from torch import Tensor
 
 from tpweave.ops.strategies import ce_overlap, sequential, symm_mem_allreduce, symm_mem_fused, triton_ar_norm
-from tpweave.ops.strategies.contract import Strategy, chosen_name, format_policy, parse_policy
+from tpweave.ops.strategies.contract import Strategy, chosen_name, parse_policy
 
 STRATEGIES: MappingProxyType[str, Strategy] = MappingProxyType(
     {
@@ -53,15 +53,6 @@ def resolve(policy: str, num_tokens: int, x: Tensor, kind: str) -> Callable:
             warnings.warn(f"tpweave: strategy {name!r} cannot run {kind} here: using 'sequential'", stacklevel=2)
         impl = sequential.SEQUENTIAL.implementation(kind)
     return impl
-
-
-def without_unsafe_under_cudagraph_trees(policy: str) -> str:
-    """The policy with every strategy that cannot run inside Inductor's CUDA graph trees replaced by
-    'sequential' (tpweave's own capture, bench/timing.py, warms up outside the pool and can run them)."""
-    steps = [
-        (m, n if STRATEGIES[n].cudagraph_trees_safe else "sequential") for m, n in parse_policy(check_policy(policy))
-    ]
-    return format_policy(steps)
 
 
 def has_own(policy: str, kind: str) -> bool:

@@ -35,5 +35,5 @@ def two_shot(x, group_name, world_size):
     return torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, torch.empty_like(staged))
 
 
-ONE_SHOT = Strategy(name="symm_mem_one_shot", all_reduce=one_shot, available=_available, cudagraph_trees_safe=False)
-TWO_SHOT = Strategy(name="symm_mem_two_shot", all_reduce=two_shot, available=_available, cudagraph_trees_safe=False)
+ONE_SHOT = Strategy(name="symm_mem_one_shot", all_reduce=one_shot, available=_available)
+TWO_SHOT = Strategy(name="symm_mem_two_shot", all_reduce=two_shot, available=_available)

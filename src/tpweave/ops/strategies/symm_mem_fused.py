@@ -1,7 +1,10 @@
 """torch's symmetric-memory fused ops (`symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`).
 
-CUDA only. Shards are padded to shard_rows(N) = max(shard_rows(N), 2) rows, so every rank's chunk has
-the same size, as the fused ops require; padding rows are dropped from the outputs.
+CUDA only. Their workspace is torch's, regrown (and the old one freed) by a call larger than any before:
+each call first keeps the current workspace alive (symm_buffers.retain_torch_workspace), so a CUDA graph
+captured before a larger call still replays valid memory. Shards are padded to shard_rows(N) =
+max(shard_rows(N), 2) rows, so every rank's chunk has the same size, as the fused ops require; padding
+rows are dropped from the outputs.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ FP8_ROW_ALIGN = 16
 
 
 def _enable(group_name: str) -> None:
-    """torch's fused ops look the group up in symmetric memory's registry (torch 2.11 and 2.13)."""
+    """Before each call: torch's fused ops look the group up in symmetric memory's registry (torch 2.11 and
+    2.13), and the workspace they use now stays alive should this call regrow it."""
     import torch.distributed._symmetric_memory as symm_mem
 
     if not symm_mem.is_symm_mem_enabled_for_group(group_name):
         symm_mem.enable_symm_mem_for_group(group_name)
+    symm_buffers.retain_torch_workspace(group_name)
 
 
 def _available(x: torch.Tensor) -> bool:
@@ -125,5 +130,4 @@ SYMM_MEM_FUSED = Strategy(
     ag_scaled_mm=ag_scaled_mm,
     scaled_mm_rs=scaled_mm_rs,
     available=_available,
-    cudagraph_trees_safe=False,
 )

@@ -355,7 +355,9 @@ def _fused_all_reduce_rms_norm(
     bits, sentinel = _SENTINEL[x.element_size()]
     calls = buf.state.get("calls")  # per-program call counters
     if calls is None:  # a new buffer (never during capture: reserve refuses to grow then)
-        calls = buf.state["calls"] = torch.zeros(grid, dtype=torch.int32, device=x.device)
+        calls = buf.state["calls"] = symm_buffers.outside_graph_pools(
+            lambda: torch.zeros(grid, dtype=torch.int32, device=x.device), x.device
+        )
         buf.tensor.view(bits).fill_(sentinel)  # every element the sentinel on every rank before any peer stores data
         handle.barrier(channel=0, timeout_ms=timeout_ms)
     _all_reduce_rms_norm_ll_kernel[(grid,)](
@@ -453,12 +455,10 @@ TRITON_AR_NORM = Strategy(
     name="triton_ar_norm",
     all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="two_barriers"),
     available=_available,
-    cudagraph_trees_safe=False,
 )
 # No barrier (decode sizes): chosen only where a calibration table measured it faster.
 TRITON_AR_NORM_LL = Strategy(
     name="triton_ar_norm_ll",
     all_reduce_rms_norm=functools.partial(_fused_all_reduce_rms_norm, protocol="lamport"),
     available=_available,
-    cudagraph_trees_safe=False,
 )
