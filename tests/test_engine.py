@@ -164,8 +164,8 @@ def test_gpu_llama3_8b_engine_tokens_match_teacher_forced_eager():
 
 def test_decode_buckets_and_padded_graph_inputs():
     from tpweave.engine.block_manager import slot_of
-    from tpweave.engine.config import EngineConfig
     from tpweave.engine.buckets import decode_buckets
+    from tpweave.engine.config import EngineConfig
     from tpweave.engine.model_runner import ModelRunner
     from tpweave.engine.scheduler import ScheduledChunk
     from tpweave.engine.sequence import Sequence
