@@ -1043,3 +1043,185 @@ def bench_layers_record(ctx, tokens):
 
     settings = BenchSettings(reps=2, warmup=1, inner=1)
     return bench_layers(ctx, "tiny", tokens, dtype_name="float32", num_layers=1, settings=settings, table=None)
+
+
+# Strategy configurations of the graph-mode test: compile options that route every collective of LayerHead
+# through tpweave's own symmetric-memory kernels (the ones emulated ranks can run: tests/emulated_ranks.py).
+GRAPH_MODE_CONFIGS = {
+    "triton_ar_norm": dict(sp=False, all_reduce_rms_norm_policy="triton_ar_norm"),
+    "triton_ar_norm_ll": dict(sp=False, all_reduce_rms_norm_policy="triton_ar_norm_ll"),
+    "ce_overlap": dict(sp=True, sp_min_tokens=0, ag_mm_policy="ce_overlap", mm_rs_policy="ce_overlap"),
+    "ce_overlap_2s": dict(sp=True, sp_min_tokens=0, ag_mm_policy="ce_overlap_2s", mm_rs_policy="ce_overlap"),
+    # the plain graph as two token subsets from M = 4 on, each subset's all-reduce + norm on a side stream
+    "token_split": dict(
+        sp=False, token_split_min_tokens=4, token_split_sms=8, all_reduce_rms_norm_policy="triton_ar_norm"
+    ),
+}
+GRAPH_MODES = {"capture": {}, "trees": dict(cudagraphs=True), "partition": dict(cudagraphs=True, piecewise=True)}
+
+
+class LayerHead(torch.nn.Module):
+    """One decoder layer, the final norm and a column-parallel head: each all-reduce of its TP graph follows a
+    row-parallel matmul and precedes a residual add + RMSNorm (no embedding all-reduce, no gathered logits), so
+    one strategy can serve every collective site. forward(x (M, H) replicated, positions, cu_seqlens) -> this
+    rank's head columns (M, 1024 / TP)."""
+
+    def __init__(self, ctx, dtype=torch.bfloat16):
+        import dataclasses
+
+        from tpweave.models.config import get_preset
+        from tpweave.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding
+        from tpweave.models.llama import DecoderLayer
+
+        super().__init__()
+        cfg = dataclasses.replace(
+            get_preset("llama3-8b"), hidden_size=2048, num_heads=16, num_kv_heads=4, intermediate_size=4096
+        )
+        rotary = RotaryEmbedding(
+            cfg.head_dim, theta=cfg.rope_theta, scaling=None, max_positions=4096, device=ctx.device
+        )
+        self.layer = DecoderLayer(cfg, tp=ctx, dtype=dtype, rotary=rotary)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, device=ctx.device)
+        self.head = ColumnParallelLinear(cfg.hidden_size, 1024, tp=ctx, bias=False, dtype=dtype)
+        sharded, replicated = torch.Generator().manual_seed(1234 + ctx.rank), torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() == 2:  # this rank's shard
+                    p.copy_(torch.randn(p.shape, generator=sharded) * 0.02)
+                else:  # norm weights: the same on every rank, as in any TP model
+                    p.copy_(torch.rand(p.shape, generator=replicated) + 0.5)
+
+    def forward(self, x, positions, cu_seqlens):
+        return self.head(self.norm(self.layer(x, positions, cu_seqlens)))
+
+
+@torch.no_grad()
+def gpu_graph_modes(ctx, config, token_counts, replays):
+    """LayerHead compiled under strategy configuration `config` (GRAPH_MODE_CONFIGS) in each graph mode: tpweave
+    compiled and captured in a CUDA graph per M ("capture", as the engine does), Inductor's CUDA graph trees
+    ("trees") and graph partition at attention with trees per piece ("partition"). Each M is warmed up (and
+    captured), then replayed `replays` times on new data against the eager module run on the CPU (gloo).
+    Returns {(mode, M): worst |out - ref| / max |ref|}, {(mode, "counts"): (compiles, captures) after the
+    warm-up and at the end}, {(mode, "dispatched"): policies in the compiled graphs}."""
+    import copy
+
+    from torch._inductor import cudagraph_trees
+
+    import tpweave
+
+    torch.manual_seed(0)
+    module = LayerHead(ctx)
+    reference = copy.deepcopy(module).to("cpu")
+    hidden = module.norm.weight.shape[0]
+    recorded = [0]
+    original_init = cudagraph_trees.CUDAGraphNode.__init__
+
+    def counting_init(self, *args, **kwargs):
+        recorded[0] += 1
+        original_init(self, *args, **kwargs)
+
+    cudagraph_trees.CUDAGraphNode.__init__ = counting_init
+
+    def data(m, step):
+        gen = torch.Generator().manual_seed(m * 1000 + step)  # the same on every rank: x is replicated
+        lens = split_tokens(m, 3)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        return torch.randn(m, hidden, generator=gen).to(torch.bfloat16), pos, cu
+
+    def error(out, args_cpu):
+        want = reference(*args_cpu).float()
+        return float((out.float().cpu() - want).abs().max() / want.abs().max())
+
+    results = {}
+    for mode, graph_options in GRAPH_MODES.items():
+        torch._dynamo.reset()
+        compiled = tpweave.compile(module, strict=True, **GRAPH_MODE_CONFIGS[config], **graph_options)
+        captured = {}  # M -> (graph, static inputs, static output)
+        pool = torch.cuda.graph_pool_handle()
+        before = recorded[0]
+        for step in range(1 + replays):
+            for m in sorted(token_counts, reverse=True):  # largest first: buffers sized before any capture
+                args_cpu = data(m, step)
+                args = [t.to(ctx.device) for t in args_cpu]
+                if mode == "capture":
+                    if m not in captured:
+                        for _ in range(2):
+                            compiled(*args)
+                        torch.cuda.synchronize()
+                        ctx.group and torch.distributed.barrier(group=ctx.group)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            static_out = compiled(*args)
+                        captured[m] = (graph, args, static_out)
+                    graph, static_args, static_out = captured[m]
+                    for dst, src in zip(static_args, args):
+                        dst.copy_(src)
+                    graph.replay()
+                    out = static_out.clone()
+                else:
+                    calls = 3 if step == 0 else 1  # trees: warm-up, record, replay
+                    for _ in range(calls):
+                        torch.compiler.cudagraph_mark_step_begin()
+                        out = compiled(*args).clone()
+                if step > 0:
+                    results[(mode, m)] = max(results.get((mode, m), 0.0), error(out, args_cpu))
+            if step == 0:
+                warm = (tpweave.report(compiled).num_compiles, recorded[0] - before + len(captured))
+        end = (tpweave.report(compiled).num_compiles, recorded[0] - before + len(captured))
+        results[(mode, "counts")] = (warm, end)
+        results[(mode, "dispatched")] = sorted({p for g in tpweave.report(compiled).graphs for _, p in g.dispatched})
+        results[(mode, "schedule")] = max((len(g.schedule) for g in tpweave.report(compiled).graphs), default=0)
+        del captured
+    cudagraph_trees.CUDAGraphNode.__init__ = original_init
+    return results
+
+
+@torch.no_grad()
+def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
+    """The engine's prefill and mixed steps (`steps`: lists of (prompt length, start, new tokens) chunks) through
+    its piecewise CUDA graphs against the same compiled forward run eagerly on the same padded inputs, `replays`
+    times on new token ids each. Returns {step index: number of replays whose logits were bitwise equal}, and
+    the graph counts after the first and the last round."""
+    import random
+
+    from tpweave.engine import LLMEngine
+    from tpweave.engine.buckets import bucket_for
+    from tpweave.engine.scheduler import ScheduledChunk
+    from tpweave.engine.sequence import Sequence
+
+    engine = LLMEngine(ctx, model, **engine_kwargs)
+    runner, rng = engine.runner, random.Random(0)
+    assert runner.pieces is not None
+    equal, counts = {}, []
+    for _ in range(replays):
+        for i, step in enumerate(steps):
+            chunks = []
+            for length, start, num_new in step:
+                seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(length)])
+                engine.scheduler.blocks.grow(seq, start + num_new)
+                chunks.append(ScheduledChunk(seq, start, num_new, samples=True))
+            num_tokens = sum(c.num_tokens for c in chunks)
+            args = runner._inputs(chunks, pad_to=bucket_for(runner.prefill_buckets, num_tokens), rows_to=len(chunks))
+            eager = runner.forward(*args).clone()
+            with runner.pieces.replaying():
+                graphed = runner.forward(*args).clone()
+            equal[i] = equal.get(i, 0) + int(torch.equal(eager, graphed))
+            for c in chunks:
+                engine.scheduler.blocks.free(c.seq)
+        counts.append(dict(runner.pieces.stats()))
+    return equal, counts[0], counts[-1], dict(runner.capture_stats)
+
+
+def gpu_piecewise_generate(ctx, model, prompts, max_tokens, engine_kwargs):
+    """gpu_engine_generate twice in one engine: tokens, the runner's step counts and the piecewise graphs' stats
+    after each round."""
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(ctx, model, **engine_kwargs)
+    rounds = []
+    for _ in range(2):
+        results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+        pieces = engine.runner.pieces
+        rounds.append((results, dict(engine.runner.step_stats), pieces.stats() if pieces is not None else None))
+    return rounds

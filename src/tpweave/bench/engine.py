@@ -5,10 +5,13 @@ first step on, their contexts centered on C over the timed steps; wall time betw
 step() returns: host work, launch and the wait for the device, as a client sees it) next to the
 forward alone (the decode CUDA graph of that step replayed back to back) and the HBM roofline (every
 weight byte once + the K/V the step reads, at the GPU's HBM bandwidth). Kernels per step come from
-torch.profiler over steady steps. Prefill of N tokens: the compiled forward (calls back to back, the prefill
-throughput; one call from an idle GPU beside it) next to the matmul roofline (its FLOPs at the highest bf16 GEMM rate
-measured on this GPU in the same run) and the datasheet's dense peak of a known GPU, and the engine's time for a
-one-token request of N prompt tokens."""
+torch.profiler over steady steps. Prefill of N tokens: the forward as the engine runs it (its piecewise CUDA graphs
+replayed, calls back to back: the prefill throughput; one call from an idle GPU beside it) next to the whole forward
+captured in one CUDA graph and replayed (what the engine's launch costs over it), the compiled forward launched
+without graphs, the matmul roofline (its FLOPs at the highest bf16 GEMM rate measured on this GPU in the same run)
+and the datasheet's dense peak of a known GPU, and the engine's time for a one-token request of N prompt tokens.
+Mixed steps (B decodes at context C beside one fresh chunk of N tokens): the same three timings. The record has
+what the graphs cost: capture seconds, the memory the captures reserved, the graphs, the padding per step."""
 
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ import torch
 
 from tpweave.bench.kernels import categorize
 from tpweave.bench.stats import median
-from tpweave.bench.timing import time_call
+from tpweave.bench.timing import capture, time_call
 from tpweave.engine import LLMEngine, SamplingParams
+from tpweave.engine.buckets import bucket_for
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.engine.sequence import Sequence
 from tpweave.log import progress
@@ -52,6 +56,7 @@ class EngineBenchSettings:
     batches: tuple[int, ...] = (1, 64, 256)
     context: int = 1024
     prefill: tuple[int, ...] = (2048,)
+    mixed: tuple[tuple[int, int, int], ...] = ((64, 1024, 512),)  # (decodes, their context, new chunk tokens)
     steps: int = 64
     warmup_steps: int = 8
     replays: int = 50
@@ -247,7 +252,68 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
     return rows
 
 
-def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, cold: list[float]) -> list[dict]:
+def _peak_bytes(fn) -> int:
+    """Bytes fn allocated at its peak beyond what was allocated before it (graph pools' memory not counted: a
+    replay allocates nothing)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) -> tuple[dict[str, Any], list]:
+    """One step's forward (args: `runner._inputs` of the step, padded as the engine pads it), interleaved per
+    repetition: as the engine runs it (its piecewise graphs replayed; back to back and one call from an idle GPU),
+    the whole forward in one CUDA graph replayed back to back, and the compiled forward without graphs (one call).
+    `sample()` runs once per repetition (the matmul rate between samples). (row fields, sample()'s results)"""
+
+    def eager():
+        return runner.forward(*args)
+
+    def engine_path():
+        if runner.pieces is None:
+            return eager()
+        with runner.pieces.replaying():
+            return runner.forward(*args)
+
+    for _ in range(2):
+        engine_path()
+        eager()
+    graph_replay = capture(eager, None)  # the pieces run as compiled inside it: the whole forward, attention too
+
+    def back_to_back(fn) -> float:
+        return time_call(lambda: [fn() for _ in range(calls)], inner=1, on_cuda=True) / calls
+
+    out: dict[str, list[float]] = {
+        k: [] for k in ("forward_ms", "single_call_ms", "graph_forward_ms", "eager_single_ms")
+    }
+    samples = []
+    for _ in range(reps):
+        out["graph_forward_ms"].append(back_to_back(graph_replay))
+        out["forward_ms"].append(back_to_back(engine_path))
+        out["single_call_ms"].append(time_call(engine_path, inner=1, on_cuda=True))
+        out["eager_single_ms"].append(time_call(eager, inner=1, on_cuda=True))
+        if sample is not None:
+            samples.append(sample())
+    row: dict[str, Any] = {key: median(values) for key, values in out.items()}
+    row |= {f"{key}_samples": values for key, values in out.items()}
+    row["single_over_graph"] = row["single_call_ms"] / row["graph_forward_ms"]
+    row["forward_over_graph"] = row["forward_ms"] / row["graph_forward_ms"]
+    row["peak_bytes_eager"] = _peak_bytes(eager)
+    row["peak_bytes_engine"] = _peak_bytes(engine_path)
+    _, names, kind_ms = count_kernels(engine_path, calls=2)
+    row |= {**{f"{kind}_ms": v for kind, v in kind_ms.items()}, "forward_kernels": names}
+    return row, samples
+
+
+def _padding(runner, num_tokens: int) -> int:
+    """The token count the engine pads a step of num_tokens to (itself when it runs without piecewise graphs)."""
+    return bucket_for(runner.prefill_buckets, num_tokens) or num_tokens if runner.pieces is not None else num_tokens
+
+
+def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: list[float]) -> list[dict]:
     rows = []
     matmul = MatmulRate(ctx.device, engine.runner.dtype)
     runner, model = engine.runner, engine.runner.model
@@ -257,21 +323,15 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
         prompt = [rng.randrange(engine.vocab_size) for _ in range(num_tokens)]
         seq = Sequence(prompt)
         engine.scheduler.blocks.grow(seq, num_tokens)
-        args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)])
-        calls = CALLS_PER_PREFILL_SAMPLE
+        padded = _padding(runner, num_tokens)
+        args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)], pad_to=padded)
+        # the matmul rate sampled between the forward's samples too: under this sustained load the GPU's power limit
+        # lowers its clocks (an H200 measured 628-697 TFLOP/s here against 793 from cold); the roofline takes the
+        # highest sample of the run, cold or under load, the strictest limit measured
         with torch.no_grad():  # as the engine runs it (grad mode is part of the compiled graph's guards)
-            for _ in range(2):
-                runner.forward(*args)
-            # the matmul rate sampled between the forward's samples too: under this sustained load the GPU's power
-            # limit lowers its clocks (an H200 measured 628-697 TFLOP/s here against 793 from cold); the roofline
-            # takes the highest sample of the run, cold or under load, the strictest limit measured
-            fwd_ms, peaks = [], []
-            for _ in range(max(settings.replays // 5, 5)):
-                fwd_ms.append(time_call(lambda: [runner.forward(*args) for _ in range(calls)], inner=1, on_cuda=True))
-                peaks.append(matmul.rate())
-            fwd_ms = [t / calls for t in fwd_ms]
-            single_ms = _event_ms(lambda: runner.forward(*args), reps=len(fwd_ms))
-            _, names, kind_ms = count_kernels(lambda: runner.forward(*args), calls=2)
+            timing, peaks = _step_timings(
+                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5), sample=matmul.rate
+            )
         engine.scheduler.blocks.free(seq)
         step_ms = []
         for _ in range(max(settings.replays // 5, 5)):
@@ -282,27 +342,51 @@ def _prefill_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettin
         flops = prefill_flops(model, num_tokens)
         roofline = flops / rate * 1e3
         datasheet = _datasheet(ctx.device, BF16_DENSE_FLOPS) if engine.runner.dtype == torch.bfloat16 else None
+        fwd = timing["forward_ms"]
         rows.append({
             "what": "engine_prefill",
             "tokens": num_tokens,
-            "forward_ms": median(fwd_ms),
-            "forward_ms_samples": fwd_ms,
-            "single_call_ms": median(single_ms),
-            "single_call_ms_samples": single_ms,
+            "padded_to": padded,
+            **timing,
             "request_ms": median(step_ms),
             "request_ms_samples": step_ms,
             "roofline_ms": roofline,
-            "of_roofline": roofline / median(fwd_ms),
-            "tokens_per_s": num_tokens / (median(fwd_ms) / 1e3),
+            "of_roofline": roofline / fwd,
+            "tokens_per_s": num_tokens / (fwd / 1e3),
             "matmul_flops_per_s": rate,
             "matmul_flops_per_s_cold_samples": cold,
             "matmul_flops_per_s_under_load": median(peaks),
             "matmul_flops_per_s_under_load_samples": peaks,
             "datasheet_flops_per_s": datasheet[0] if datasheet else None,
-            "of_datasheet_peak": flops / datasheet[0] * 1e3 / median(fwd_ms) if datasheet else None,
-            **{f"{kind}_ms": v for kind, v in kind_ms.items()},
-            "forward_kernels": names,
+            "of_datasheet_peak": flops / datasheet[0] * 1e3 / fwd if datasheet else None,
         })  # fmt: skip
+    return rows
+
+
+def _mixed_rows(engine: LLMEngine, settings: EngineBenchSettings) -> list[dict]:
+    """One step of B decodes at context C beside a fresh chunk of N tokens (contents of the cached context not
+    computed: a step costs the same whatever its values)."""
+    rows = []
+    runner, rng = engine.runner, random.Random(2)
+    for decodes, context, chunk in settings.mixed:
+        progress("mixed step: %d decodes at context %d + a %d-token chunk", decodes, context, chunk)
+        chunks = []
+        for _ in range(decodes):
+            seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(context)])
+            engine.scheduler.blocks.grow(seq, context)
+            chunks.append(ScheduledChunk(seq, context - 1, 1, samples=True))
+        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(chunk)])
+        engine.scheduler.blocks.grow(seq, chunk)
+        chunks.append(ScheduledChunk(seq, 0, chunk, samples=True))
+        num_tokens = decodes + chunk
+        padded = _padding(runner, num_tokens)
+        args = runner._inputs(chunks, pad_to=padded)
+        with torch.no_grad():
+            timing, _ = _step_timings(runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5))
+        for c in chunks:
+            engine.scheduler.blocks.free(c.seq)
+        rows.append({"what": "engine_mixed", "decodes": decodes, "context": context, "chunk": chunk,
+                     "tokens": num_tokens, "padded_to": padded, **timing})  # fmt: skip
     return rows
 
 
@@ -319,11 +403,12 @@ def bench_engine(
     bandwidth and its source, the measured matmul rate), the engine's build time and its compile report."""
     dtype = DTYPES[dtype_name]
     overrides = {"num_layers": num_layers} if num_layers else {}
-    max_len = settings.context + 64
+    max_len = max([settings.context + 64] + [c + 8 for _, c, _ in settings.mixed])
+    mixed_tokens = [b + n for b, _, n in settings.mixed]
     kwargs = dict(
         dtype=dtype,
-        max_num_seqs=max(settings.batches),
-        max_num_batched_tokens=max(max(settings.prefill, default=0), max(settings.batches), 2048),
+        max_num_seqs=max(settings.batches + tuple(b + 1 for b, _, _ in settings.mixed)),
+        max_num_batched_tokens=max(max(settings.prefill, default=0), max(settings.batches), *mixed_tokens, 2048),
         max_model_len=max(max_len, max(settings.prefill, default=0) + 8),
         **overrides,
         **(engine_kwargs or {}),
@@ -335,7 +420,18 @@ def bench_engine(
     hbm, hbm_source = hbm_bandwidth(dev)
     cold = MatmulRate(dev, dtype).samples(20)
     rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings, cold)
+    rows += _mixed_rows(engine, settings)
     report = getattr(engine.runner.forward, "compile_report", None)
+    runner = engine.runner
+    steps = runner.step_stats
+    graphs = {
+        **runner.capture_stats,
+        "piecewise": runner.pieces.stats() if runner.pieces is not None else None,
+        "prefill_buckets": list(runner.prefill_buckets),
+        "steps": dict(steps),
+        "padded_tokens_per_step": steps["padded_tokens"] / max(steps["piecewise"], 1),
+        "padded_fraction": steps["padded_tokens"] / max(steps["tokens"], 1),
+    }
     record = {
         "hbm_bytes_per_s": hbm,
         "hbm_source": hbm_source,
@@ -343,6 +439,7 @@ def bench_engine(
         "matmul_flops_per_s": max(cold),  # at the start of the run (prefill rows: also sampled alongside the forward)
         "matmul_flops_per_s_samples": cold,
         "engine_build_s": build_s,
+        "graphs": graphs,
         "engine": {k: str(v) for k, v in kwargs.items()},
         "async_scheduling": engine.config.async_scheduling,
         "compile_report": report.to_dict() if report is not None else None,

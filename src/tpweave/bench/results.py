@@ -85,8 +85,12 @@ SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_faile
 ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_ms", "step_over_forward", "roofline_ms",
                          "of_roofline", "gemm_ms", "attention_ms", "other_ms", "kernels_per_step",
                          "kernels_per_forward", "graph_bucket"]  # fmt: skip
-ENGINE_PREFILL_COLUMNS = ["tokens", "forward_ms", "single_call_ms", "request_ms", "roofline_ms", "of_roofline",
+ENGINE_PREFILL_COLUMNS = ["tokens", "padded_to", "forward_ms", "single_call_ms", "graph_forward_ms",
+                          "single_over_graph", "eager_single_ms", "request_ms", "roofline_ms", "of_roofline",
                           "of_datasheet_peak", "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip
+ENGINE_MIXED_COLUMNS = ["decodes", "context", "chunk", "tokens", "padded_to", "forward_ms", "single_call_ms",
+                        "graph_forward_ms", "single_over_graph", "eager_single_ms", "peak_bytes_eager",
+                        "peak_bytes_engine"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (
@@ -111,6 +115,12 @@ SECTIONS = (
     ("serve", "Serving", SERVE_COLUMNS, None),
     ("engine_decode", "Engine decode step (steady state) vs forward vs HBM roofline", ENGINE_DECODE_COLUMNS, None),
     ("engine_prefill", "Engine prefill vs matmul roofline", ENGINE_PREFILL_COLUMNS, None),
+    (
+        "engine_mixed",
+        "Engine mixed step (decodes + a prefill chunk) vs its graph-replayed forward",
+        ENGINE_MIXED_COLUMNS,
+        None,
+    ),
 )
 
 
@@ -277,7 +287,11 @@ def _engine_table(rows: list[dict[str, Any]]) -> list[str]:
                          f"{_fmt(r.get('of_roofline'))} (HBM) | {_fmt(r.get('kernels_per_step'))} |")  # fmt: skip
         elif r.get("what") == "engine_prefill":
             sheet = f"; {_fmt(r['of_datasheet_peak'])} of the datasheet peak" if r.get("of_datasheet_peak") else ""
-            lines.append(f"| prefill | {r['tokens']} | - | {_fmt(r.get('of_roofline'))} (matmul{sheet}) | - |")
+            lines.append(f"| prefill | {r['tokens']} | {_fmt(r.get('single_over_graph'))} (one call / graph) | "
+                         f"{_fmt(r.get('of_roofline'))} (matmul{sheet}) | - |")  # fmt: skip
+        elif r.get("what") == "engine_mixed":
+            lines.append(f"| mixed | {r['decodes']}x{r['context']} + {r['chunk']} | "
+                         f"{_fmt(r.get('single_over_graph'))} (one call / graph) | - | - |")  # fmt: skip
     return lines
 
 

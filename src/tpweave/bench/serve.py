@@ -120,6 +120,15 @@ def load_requests(path: str | Path, *, rate: float, seed: int) -> list[Request]:
     return sorted(out, key=lambda r: r.arrival_s)
 
 
+# The engines a serving run compares, by arm name: their EngineConfig fields. The first arm given is the one the
+# others' throughput is divided by.
+SERVE_ARMS: dict[str, dict[str, Any]] = {
+    "baseline": {"baseline": True},  # plain TP: the model's NCCL all-reduces, Inductor's add + norm
+    "auto": {},  # tpweave's defaults
+    "auto_aa": {},  # the same engine built a second time: the A/A control of the comparison
+    "prefill_eager": {"piecewise_graphs": False},  # tpweave's defaults, prefill and mixed steps without CUDA graphs
+}
+
 PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
 
 

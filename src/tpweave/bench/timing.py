@@ -81,7 +81,7 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
-def _capture(fn: Callable[[], Any], group) -> Callable[[], Any]:
+def capture(fn: Callable[[], Any], group) -> Callable[[], Any]:
     """fn captured in a CUDA graph after one more warm-up on the capture stream; its replay."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -123,7 +123,7 @@ def time_arms(
         if on_cuda:
             torch.cuda.synchronize()
             peak[name] = torch.cuda.max_memory_allocated() - base
-        runners[name] = _capture(fn, group) if on_cuda and cuda_graphs else fn
+        runners[name] = capture(fn, group) if on_cuda and cuda_graphs else fn
         _barrier(group)
     rng = random.Random(seed)
     orders: list[list[str]] = []

@@ -178,7 +178,7 @@ def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed,
     and round (seeded). (rows per (cell, arm), records per (arm, cell, round), the orders)."""
     import random
 
-    from tpweave.bench.serve import release_engine, run_requests, serve_rows, warm_up
+    from tpweave.bench.serve import SERVE_ARMS, release_engine, run_requests, serve_rows, warm_up
     from tpweave.bench.timing import many_compiles
     from tpweave.engine import LLMEngine
 
@@ -186,8 +186,8 @@ def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed,
     for i, arm in enumerate(arms):
         with many_compiles():  # each engine's KV cache from its share of what the previous ones left
             share = {"gpu_memory_utilization": 0.9 * (i + 1) / len(arms)}
-            engines[arm] = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, baseline=arm == "baseline",
-                                     **share, **engine_kwargs)  # fmt: skip
+            engines[arm] = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, **share,
+                                     **{**engine_kwargs, **SERVE_ARMS[arm]})  # fmt: skip
             warm_up(engines[arm])
     rng = random.Random(seed)
     records, orders = {}, []
@@ -237,11 +237,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     lost a request or when every request of a cell failed."""
     from tpweave.bench.provenance import gpu_state
     from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.bench.serve import SERVE_ARMS
 
     cfg = model_config(args, **({"num_layers": args.num_layers} if args.num_layers else {}))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or any(a not in ("baseline", "auto") for a in arms) or len(set(arms)) != len(arms):
-        raise CLIError(f"--arms takes baseline and/or auto, each once, got {args.arms!r}")
+    if not arms or any(a not in SERVE_ARMS for a in arms) or len(set(arms)) != len(arms):
+        raise CLIError(f"--arms takes some of {', '.join(SERVE_ARMS)}, each once, got {args.arms!r}")
     cells = _workloads(args)
     opts = rank_options(args)
     out, name = _out(args, f"serve-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
@@ -300,6 +301,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from tpweave.bench.provenance import gpu_state
     from tpweave.bench.results import (
         ENGINE_DECODE_COLUMNS,
+        ENGINE_MIXED_COLUMNS,
         ENGINE_PREFILL_COLUMNS,
         markdown_table,
         run_metadata,
@@ -336,6 +338,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "engine_decode"], ENGINE_DECODE_COLUMNS))
     print(markdown_table([r for r in rows if r["what"] == "engine_prefill"], ENGINE_PREFILL_COLUMNS))
+    print(markdown_table([r for r in rows if r["what"] == "engine_mixed"], ENGINE_MIXED_COLUMNS))
     json_path, md_path = write_results(out, name, meta, rows)
     print(f"wrote {json_path} and {md_path}")
     if failures:

@@ -209,7 +209,11 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     )
     gen.add_argument("--num-layers", type=positive_int, default=None, help="override the model's layer count")
     gen.add_argument("--baseline", action="store_true", help="plain TP (NCCL all-reduce), no SP / async TP")
-    gen.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    gen.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (neither the decode graphs nor the piecewise prefill graphs)",
+    )
     gen.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
     gen.set_defaults(fn=commands["generate"])
 
@@ -252,7 +256,12 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     _ranks(serve, timeout=3600)
     _dtype(serve, "bfloat16")
     serve.add_argument("--num-layers", type=positive_int, default=None, help="override the model's layer count")
-    serve.add_argument("--arms", default="baseline,auto", help="comma-separated: baseline (plain TP), auto (tpweave)")
+    serve.add_argument(
+        "--arms",
+        default="baseline,auto",
+        help="comma-separated, the first the others are compared with: baseline (plain TP), auto (tpweave), auto_aa "
+        "(tpweave again: the A/A control), prefill_eager (tpweave, prefill and mixed steps without CUDA graphs)",
+    )
     serve.add_argument(
         "--workload",
         default="azure-code,azure-conv,sharegpt",
@@ -299,7 +308,11 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     eng.add_argument("--prefill", type=token_counts, default="2048", help="prompt lengths of the prefill rows")
     eng.add_argument("--num-iters", type=positive_int, default=64, help="timed engine steps per decode batch")
     eng.add_argument("--num-iters-warmup", type=non_negative_int, default=8, help="untimed steps before them")
-    eng.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    eng.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (neither the decode graphs nor the piecewise prefill graphs)",
+    )
     eng.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
     eng.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before planning the next")
     _output(eng)
