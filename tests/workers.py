@@ -1193,8 +1193,13 @@ def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
     engine = LLMEngine(ctx, model, **engine_kwargs)
     runner, rng = engine.runner, random.Random(0)
     assert runner.pieces is not None
-    equal, counts = {}, []
-    for _ in range(replays):
+    equal, counts, diffs = {}, [], []
+
+    def forward_compiles():
+        report = getattr(runner.forward, "compile_report", None)
+        return report.num_compiles if report is not None else 0
+
+    for rnd in range(replays):
         for i, step in enumerate(steps):
             chunks = []
             for length, start, num_new in step:
@@ -1206,10 +1211,15 @@ def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
             eager = runner.forward(*args).clone()
             with runner.pieces.replaying():
                 graphed = runner.forward(*args).clone()
+            if not torch.equal(eager, runner.forward(*args)):  # the eager forward against itself
+                diffs.append((i, rnd, "eager twice differ"))
             equal[i] = equal.get(i, 0) + int(torch.equal(eager, graphed))
+            if not torch.equal(eager, graphed):  # which round, by how much, with how many graphs compiled by then
+                diffs.append((i, rnd, float((eager.float() - graphed.float()).abs().max()), forward_compiles()))
             for c in chunks:
                 engine.scheduler.blocks.free(c.seq)
         counts.append(dict(runner.pieces.stats()))
+    print("mismatches (step, round, max |diff|, graphs compiled):", diffs)
     return equal, counts[0], counts[-1], dict(runner.capture_stats)
 
 
