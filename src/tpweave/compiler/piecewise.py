@@ -10,9 +10,10 @@ rewrites) and calls every piece through the wrapper `PiecewiseGraphs.wrap` insta
 A piece is called with a list of arguments (tensors and the symbolic sizes as ints) and returns a tuple:
 
     eager:      out = piece(args)                                  (mode "eager": what Inductor generated)
-    first call: piece(args) once (warm-up: kernels compiled, workspaces sized), then captured on a side
-    of a key   stream into the shared memory pool, then replayed once (the eager ops after it need real
-               values); `key` = the shapes of the tensors and the ints
+    first call: piece(args) once (warm-up: kernels compiled, workspaces sized; the inputs put back after
+    of a key   it, which a piece may overwrite), then captured on a side stream into the shared memory pool,
+               then replayed once (the eager ops after it need real values); `key` = the shapes and
+               strides of the tensors and the ints
     replay:    copy the arguments that live elsewhere into the captured graph's own inputs, replay,
                return the graph's outputs
 
@@ -189,7 +190,16 @@ class PiecewiseGraphs:
             inputs.append(a if view is None else view)
             copy_in.append(view)
         args.clear()
-        piece.fn(list(inputs))  # warm-up: first launches (Triton, cuBLAS), workspaces and symmetric buffers sized
+        # warm-up: first launches (Triton, cuBLAS), workspaces and symmetric buffers sized. A piece may write its
+        # outputs over an input it was the last reader of (Inductor reuses such buffers): the inputs it was given are
+        # put back before the replay that computes this pass's values.
+        stable = self._stable or set()
+        kept = [a.clone() if isinstance(a, torch.Tensor) and _storage(a) not in stable else None for a in inputs]
+        piece.fn(list(inputs))
+        for a, saved in zip(inputs, kept):
+            if saved is not None:
+                a.copy_(saved)
+        del kept
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         if self._stream is None:
