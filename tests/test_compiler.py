@@ -787,3 +787,19 @@ def test_residual_stream_is_stored_once_not_recomputed_in_each_norm():
         reads[on] = [args.count("const float*") for _, args in kernels]
     assert max(reads[True]) <= 2, reads
     assert max(reads[False]) > 2, reads  # what the option changes
+
+
+def test_torch_symm_mem_strategies_keep_their_sites_under_graph_modes():
+    """torch's symm_mem strategies (symm_mem_fused, symm_mem_one_shot, symm_mem_two_shot) cannot run on ranks
+    emulated on one GPU (tests/test_gpu_graph_modes.py runs tpweave's own kernels that way): their graph structure
+    under Inductor's CUDA graph trees and graph partition is checked here. Every site keeps its policy (nothing is
+    swapped for 'sequential' under the graph modes) and the numbers equal eager TP (on the CPU each runs its
+    decomposed path)."""
+    out = tpweave.launch(workers.graph_mode_structure, [3, 32, 100], nprocs=2)
+    for rank_out in out:
+        assert rank_out["dispatched"] == [
+            "symm_mem_fused",
+            "symm_mem_one_shot@0,symm_mem_two_shot@16",
+        ], rank_out["dispatched"]
+        for m in (3, 32, 100):
+            assert rank_out[m] < 1e-4, (m, rank_out[m])

@@ -1235,3 +1235,28 @@ def gpu_piecewise_generate(ctx, model, prompts, max_tokens, engine_kwargs):
         pieces = engine.runner.pieces
         rounds.append((results, dict(engine.runner.step_stats), pieces.stats() if pieces is not None else None))
     return rounds
+
+
+@torch.no_grad()
+def graph_mode_structure(ctx, token_counts):
+    """LayerHead (float32 on the CPU) compiled with torch's symm_mem strategies on every site (the SP graph's
+    all-gather + matmul and matmul + reduce-scatter from M >= 64 on, the plain graph's all-reduce + norm below,
+    one-shot then two-shot) under Inductor's CUDA graph trees and graph partition: {M: worst |compiled - eager| /
+    max |eager|}, and the policies the compiled graphs dispatch."""
+    import tpweave
+
+    module = LayerHead(ctx, dtype=torch.float32)
+    compiled = tpweave.compile(
+        module, strict=True, sp=True, sp_min_tokens=64, ag_mm_policy="symm_mem_fused", mm_rs_policy="symm_mem_fused",
+        all_reduce_rms_norm_policy="symm_mem_one_shot@0,symm_mem_two_shot@16", cudagraphs=True, piecewise=True,
+    )  # fmt: skip
+    out, hidden = {}, module.norm.weight.shape[0]
+    for m in token_counts:
+        gen = torch.Generator().manual_seed(m)
+        lens = split_tokens(m, 3)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        args = (torch.randn(m, hidden, generator=gen), torch.cat([torch.arange(n) for n in lens]), cu)
+        want = module(*args)
+        out[m] = float((compiled(*args) - want).abs().max() / want.abs().max())
+    out["dispatched"] = sorted({p for g in tpweave.report(compiled).graphs for _, p in g.dispatched})
+    return out
