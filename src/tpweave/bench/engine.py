@@ -303,7 +303,20 @@ def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) ->
     row["forward_over_graph"] = row["forward_ms"] / row["graph_forward_ms"]
     row["peak_bytes_eager"] = _peak_bytes(eager)
     row["peak_bytes_engine"] = _peak_bytes(engine_path)
+    # where a step's time goes beyond its kernels: the host's time to launch it (no wait), and the kernel time of the
+    # engine's path and of the whole-forward graph (their difference to the timings: gaps between kernels)
+    host = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine_path()
+        host.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    row["host_ms"] = median(host)
+    _, _, graph_kind_ms = count_kernels(graph_replay, calls=2)
+    row["graph_kernel_ms"] = sum(graph_kind_ms.values())
     _, names, kind_ms = count_kernels(engine_path, calls=2)
+    row["kernel_ms"] = sum(kind_ms.values())
     row |= {**{f"{kind}_ms": v for kind, v in kind_ms.items()}, "forward_kernels": names}
     return row, samples
 

@@ -89,8 +89,8 @@ ENGINE_PREFILL_COLUMNS = ["tokens", "padded_to", "forward_ms", "single_call_ms",
                           "single_over_graph", "eager_single_ms", "request_ms", "roofline_ms", "of_roofline",
                           "of_datasheet_peak", "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip
 ENGINE_MIXED_COLUMNS = ["decodes", "context", "chunk", "tokens", "padded_to", "forward_ms", "single_call_ms",
-                        "graph_forward_ms", "single_over_graph", "eager_single_ms", "peak_bytes_eager",
-                        "peak_bytes_engine"]  # fmt: skip
+                        "graph_forward_ms", "single_over_graph", "eager_single_ms", "host_ms", "kernel_ms",
+                        "graph_kernel_ms", "peak_bytes_eager", "peak_bytes_engine"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)
 SECTIONS = (
     (
