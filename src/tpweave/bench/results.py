@@ -287,8 +287,8 @@ def _engine_table(rows: list[dict[str, Any]]) -> list[str]:
                          f"{_fmt(r.get('of_roofline'))} (HBM) | {_fmt(r.get('kernels_per_step'))} |")  # fmt: skip
         elif r.get("what") == "engine_prefill":
             sheet = f"; {_fmt(r['of_datasheet_peak'])} of the datasheet peak" if r.get("of_datasheet_peak") else ""
-            lines.append(f"| prefill | {r['tokens']} | {_fmt(r.get('single_over_graph'))} (one call / graph) | "
-                         f"{_fmt(r.get('of_roofline'))} (matmul{sheet}) | - |")  # fmt: skip
+            ratio = f"{_fmt(r['single_over_graph'])} (one call / graph)" if r.get("single_over_graph") else "-"
+            lines.append(f"| prefill | {r['tokens']} | {ratio} | {_fmt(r.get('of_roofline'))} (matmul{sheet}) | - |")
         elif r.get("what") == "engine_mixed":
             lines.append(f"| mixed | {r['decodes']}x{r['context']} + {r['chunk']} | "
                          f"{_fmt(r.get('single_over_graph'))} (one call / graph) | - | - |")  # fmt: skip
