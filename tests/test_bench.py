@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpweave.bench.kernels import categorize, expected_comm, prove
+from tpweave.bench.kernels import Proof, categorize, expected_comm, prove
 from tpweave.bench.serve import Request, load_requests, poisson_requests, summarize
 from tpweave.bench.stats import aa_check, paired_ratio
 from tpweave.bench.timing import time_arms
@@ -191,11 +191,12 @@ def test_workloads_follow_their_published_statistics():
 def test_kernel_categories_and_checks():
     assert categorize("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl_all_reduce"
     assert categorize("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "nccl_reduce_scatter"
-    assert categorize("Memcpy PtoP (Device -> Device)") == "symm_mem"
+    assert categorize("Memcpy PtoP (Device -> Device)") == "peer_copy"
     two_shot = "void (anonymous namespace)::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2, false, false>"
     assert categorize(two_shot) == "symm_mem_two_shot"
     assert (
-        categorize("c10::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)") == "symm_mem"
+        categorize("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)")
+        == "symm_mem_signal"
     )
     assert categorize("_all_reduce_rms_norm_kernel") == "tpweave_ar_norm"
     assert categorize("_all_reduce_rms_norm_ll_kernel") == "tpweave_ar_norm_ll"
@@ -207,6 +208,10 @@ def test_kernel_categories_and_checks():
     assert categorize("_gemv_kernel") == categorize("void cublasLt::splitKreduce_kernel<32, 16, int>") == "gemm"
 
 
+def _counts(expected):
+    return {k: (e.count, e.exact) for k, e in expected.items()}
+
+
 def test_kernel_proof_counts_every_site_at_every_m():
     """The proof on recorded kernel lists: each strategy's kernels equal the sites that chose it at this
     M; categories nothing chose must not appear (compute-only: no communication at all)."""
@@ -216,36 +221,77 @@ def test_kernel_proof_counts_every_site_at_every_m():
         + [["all_reduce", "symm_mem_one_shot@0,sequential@512"]] * 2,
     }
     small = expected_comm(graph, 64)
-    assert {k: v[0] for k, v in small.items()} == {"tpweave_ar_norm": 2, "symm_mem_one_shot": 2, "nccl_all_gather": 1}
+    assert _counts(small) == {
+        "tpweave_ar_norm": (2, True),
+        "symm_mem_one_shot": (2, True),
+        "nccl_all_gather": (1, True),
+    }
     big = expected_comm(graph, 2048)
-    assert {k: v[0] for k, v in big.items()} == {"nccl_all_reduce": 4, "nccl_all_gather": 1}
+    assert _counts(big) == {"nccl_all_reduce": (4, True), "nccl_all_gather": (1, True)}
     seen = {"tpweave_ar_norm": 2, "symm_mem_one_shot": 2, "nccl_all_gather": 1, "gemm": 14}
-    assert prove("auto", seen, small) == []
-    assert prove("auto", {**seen, "symm_mem_one_shot": 1}, small) == [
-        "auto: 1 symm_mem_one_shot kernels per call, expected 2 (sites: all_reduce -> symm_mem_one_shot)"
-    ]
+    assert prove("auto", seen, small) == Proof("proved")
+    assert prove("auto", {**seen, "symm_mem_one_shot": 1}, small).problems == (
+        "auto: 1 symm_mem_one_shot kernels per call, expected 2 (sites: all_reduce -> symm_mem_one_shot)",
+    )
     # one rank: NCCL and the two-shot path launch nothing; torch's one-shot kernel and tpweave's still run
     alone = expected_comm(graph, 64, world_size=1)
-    assert {k: v[0] for k, v in alone.items()} == {"tpweave_ar_norm": 2, "symm_mem_one_shot": 2}
+    assert _counts(alone) == {"tpweave_ar_norm": (2, True), "symm_mem_one_shot": (2, True)}
     # a strategy that cannot run here counts as sequential, which runs in its place
     fallback = expected_comm(graph, 64, available=lambda name: name == "sequential")
-    assert {k: v[0] for k, v in fallback.items()} == {"nccl_all_reduce": 4, "nccl_all_gather": 1}
-    # SP graph: torch's fused ops (at least one of their kernels), an inserted gather left alone
+    assert _counts(fallback) == {"nccl_all_reduce": (4, True), "nccl_all_gather": (1, True)}
+    # SP graph: torch's fused ops (their barriers and a peer copy per peer, at least), an inserted gather left alone
     dispatched = [["ag_mm", "symm_mem_fused"]] * 2 + [["mm_rs", "sequential"]] * 2
     sp = {"counts_after": {"ag_mm": 2, "mm_rs": 2, "all_gather_tokens": 1}, "dispatched": dispatched}
     need = expected_comm(sp, 4096)
-    assert need["symm_mem"][0] is None and need["nccl_reduce_scatter"][0] == 2 and need["nccl_all_gather"][0] == 1
-    assert prove("sp_fused", {"nccl_reduce_scatter": 2, "nccl_all_gather": 1}, need) == [
-        "sp_fused: no symm_mem kernels ran, but sites chose them (ag_mm -> symm_mem_fused)"
-    ]
+    assert _counts(need) == {"symm_mem_signal": (4, False), "peer_copy": (2, False), "nccl_reduce_scatter": (2, True),
+                             "nccl_all_gather": (1, True)}  # fmt: skip
+    assert prove("sp_fused", {"symm_mem_signal": 14, "peer_copy": 2, "nccl_reduce_scatter": 2, "nccl_all_gather": 1},
+                 need) == Proof("proved")  # fmt: skip
+    assert prove("sp_fused", {"nccl_reduce_scatter": 2, "nccl_all_gather": 1}, need).problems == (
+        "sp_fused: 0 symm_mem_signal kernels per call, expected at least 4 (sites: ag_mm -> symm_mem_fused; a site "
+        "that fell back launches none)",
+        "sp_fused: 0 peer_copy kernels per call, expected at least 2 (sites: ag_mm -> symm_mem_fused; a site "
+        "that fell back launches none)",
+    )
     # compute-only: nothing expected, every communication kernel is a problem; plain arms: no reduce-scatter
-    assert prove("compute_only", {"nccl_all_reduce": 1}, {}) == [
-        "compute_only: 1 nccl_all_reduce kernels per call, expected 0 (no site chose this category)"
-    ]
+    assert prove("compute_only", {"nccl_all_reduce": 1}, {}).problems == (
+        "compute_only: 1 nccl_all_reduce kernels per call, expected 0 (no site chose this category)",
+    )
     plain = expected_comm({"counts_after": {"all_reduce": 4}, "dispatched": []}, 8)
-    assert prove("plain_nccl", {"nccl_all_reduce": 4, "nccl_reduce_scatter": 4}, plain) == [
-        "plain_nccl: 4 nccl_reduce_scatter kernels per call, expected 0 (no site chose this category)"
-    ]
+    assert prove("plain_nccl", {"nccl_all_reduce": 4, "nccl_reduce_scatter": 4}, plain).status == "failed"
+
+
+def test_kernel_proof_cannot_pass_empty_and_catches_a_planted_fallback():
+    """Recorded kernel lists of one H200 (TP=1, 2 layers, benchmarks/results/2026-12-02/layer-*-tp1-*.json): an arm
+    that expects nothing (plain NCCL at one rank) is "n/a", never "proved"; torch's fused ops at one rank are proved
+    by their barrier kernels, and a site planted as fallen back to `sequential` (which launches nothing at one rank)
+    leaves too few of them: the proof fails."""
+    barrier = "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)"
+    plain = {"counts_after": {"all_reduce": 4}, "dispatched": []}
+    assert prove("plain_nccl", {}, expected_comm(plain, 128, world_size=1)) == Proof("n/a")
+    sp = {"counts_after": {"all_gather_tokens": 1}, "dispatched": [["ag_mm", "symm_mem_fused"]] * 4
+          + [["mm_rs", "symm_mem_fused"]] * 4}  # fmt: skip
+    recorded = {categorize(barrier): 17.0}  # sp_fused at M = 128, 512, 2048 in that run
+    assert prove("sp_fused", recorded, expected_comm(sp, 128, world_size=1)) == Proof("proved")
+    planted = {**sp, "dispatched": sp["dispatched"][:-1] + [["mm_rs", "sequential"]]}  # the last site fell back
+    one_site_fewer = {categorize(barrier): 15.0}  # the trace then: 2 barrier kernels fewer
+    assert prove("sp_fused", one_site_fewer, expected_comm(sp, 128, world_size=1)).status == "failed"
+    # the planted graph's own expectation is what the trace shows
+    assert prove("sp_fused", one_site_fewer, expected_comm(planted, 128, world_size=1)).status == "proved"
+
+
+def test_results_say_n_a_where_nothing_was_profiled_or_expected():
+    from tpweave.bench.results import proof_text
+
+    assert proof_text({"verification_problems": [], "kernels": {"128": {}}}) == (
+        "n/a (nothing profiled: no GPU kernels to count)"
+    )
+    kernels = {"128": {"plain_nccl": {"proof": "n/a"}, "auto": {"proof": "proved"}},
+               "512": {"plain_nccl": {"proof": "n/a"}, "auto": {"proof": "proved"}}}  # fmt: skip
+    assert proof_text({"verification_problems": [], "kernels": kernels}) == (
+        "passed for auto at every shape; n/a for plain_nccl (no kernel expected: certifies nothing)"
+    )
+    assert proof_text({"verification_problems": ["M=128 auto: ..."], "kernels": kernels}).startswith("FAILED")
 
 
 def test_paired_intervals_and_the_aa_flag():

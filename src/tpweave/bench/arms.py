@@ -118,7 +118,8 @@ def prove_arms(
     world_size: int,
 ) -> tuple[dict[str, Any], list[str]]:
     """Profile every arm's timed runner (its CUDA graph) at this M and check its communication kernels
-    against its sites' choices (bench/kernels.py). ({arm: kernels seen}, problems); nothing on CPU."""
+    against its sites' choices (bench/kernels.py). ({arm: kernels seen and the proof's status}, problems);
+    nothing on CPU (no profile: the results say "n/a")."""
     kernels, problems = {}, []
     if probe.device.type != "cuda":
         return kernels, problems
@@ -128,10 +129,14 @@ def prove_arms(
         graph = compiled[arm].graph_report_for(num_tokens)
         if graph is None:
             problems.append(f"M={num_tokens} {arm}: no compiled graph serves this M (it ran uncompiled)")
+            seen["proof"] = "failed"
             continue
         available = lambda n: STRATEGIES[n].available(probe)  # noqa: E731
         expected = expected_comm(graph.to_dict(), num_tokens, world_size=world_size, available=available)
-        problems += [f"M={num_tokens} {p}" for p in prove(arm, seen["per_call"], expected)]
+        proof = prove(arm, seen["per_call"], expected)
+        seen["proof"] = proof.status
+        seen["expected"] = {k: {"count": e.count, "exact": e.exact} for k, e in expected.items()}
+        problems += [f"M={num_tokens} {p}" for p in proof.problems]
     return kernels, problems
 
 

@@ -23,7 +23,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise CLIError(str(e)) from None
     out = results_dir(args.output_dir, "report", files=[args.name], overwrite=args.overwrite)
     named = [(str(Path(path)), meta, rows) for path, meta, rows in loaded]
-    parts = [summary(named, head_commit=code_version()["commit"])]
+    parts = [summary(named, head_commit=code_version()["commit"], summary_only=args.summary_only)]
     if not args.summary_only:
         parts += [render(Path(path).stem, meta, rows, out) for path, meta, rows in loaded]
     report = "\n\n".join(parts) + "\n"
