@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tpweave.cli.main import COMMANDS
 from tpweave.cli.parser import build_parser
@@ -81,23 +82,67 @@ def test_ranks_on_a_cpu_without_the_memory_for_the_model_stop_before_starting(mo
     common.check_cpu_memory(argparse.Namespace(**fits, num_layers=None))
 
 
-def test_an_error_inside_the_ranks_is_one_line_and_a_hint(tmp_path):
-    """A failure only a rank can see: the root rank's message and one hint line (exit 1); --debug adds
-    every rank's traceback."""
-    from tpweave.models import get_preset
+def test_an_error_inside_the_ranks_is_one_line_and_a_hint(monkeypatch, capsys):
+    """A failure only a rank can see (every input check passed): the root rank's message and one hint line
+    (exit 1); --debug adds every rank's traceback."""
+    from tpweave.cli import generate
+    from tpweave.cli.main import main
+    from tpweave.runtime import WorkerError
 
-    model = tmp_path / "broken-weights"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(get_preset("tiny").to_hf()))
-    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")  # found only when a rank loads it
-    args = ["generate", "--model", str(model), "--no-compile", "--dtype", "float32"]
-    code, out, err, _ = tpweave(*args, cwd=tmp_path)
-    lines = err.strip().splitlines()
-    assert code == 1, (out, err)
-    assert lines[-2].startswith("tpweave: error: rank ") and "ValueError: cannot read" in lines[-2], err
-    assert lines[-1] == "tpweave: (run with --debug for every rank's traceback)" and "Traceback" not in err
-    code, _, err, _ = tpweave("--debug", *args, cwd=tmp_path)
-    assert code == 1 and "Traceback (most recent call last)" in err
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: CUDA error: out of memory'
+
+    def failing(*args, **kwargs):
+        raise WorkerError(0, trace + "\nrank 1: RuntimeError: CUDA error: out of memory")
+
+    monkeypatch.setattr(generate, "run_ranks", failing)
+    args = ["generate", "--model", "tiny", "--no-compile", "--dtype", "float32"]
+    assert main(args) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["tpweave: error: rank 0: RuntimeError: CUDA error: out of memory",
+                     "tpweave: (run with --debug for every rank's traceback)"], lines  # fmt: skip
+    assert main(["--debug", *args]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_a_broken_checkpoint_is_refused_before_any_rank_starts(tmp_path):
+    """A model directory whose checkpoint is unreadable, lacks a tensor, holds one in another shape, or holds no
+    *.safetensors at all: one line naming --model and what is wrong, exit 2, for the commands that load the
+    weights and for those that only take the shapes (bench latency / layer time random weights in them)."""
+    from safetensors.torch import save_file
+
+    from tpweave.models import get_preset, random_hf_state
+
+    cfg = get_preset("tiny", num_layers=1)
+    state = random_hf_state(cfg, seed=0, dtype=torch.float32)
+
+    def model_dir(name, tensors=None, raw=None):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg.to_hf()))
+        if raw is not None:
+            (path / "model.safetensors").write_bytes(raw)
+        elif tensors is not None:
+            save_file(tensors, str(path / "model.safetensors"))
+        return str(path)
+
+    cases = {
+        model_dir("garbage", raw=b"\x10\x00\x00\x00garbage"): "cannot read",
+        model_dir("truncated", {k: v for k, v in state.items() if "down_proj" not in k}): "is missing from",
+        model_dir("reshaped", {**state, "model.norm.weight": torch.ones(7)}): "has shape (7,), config.json implies",
+        model_dir("empty"): "holds no *.safetensors files",
+    }
+    for path, message in cases.items():
+        for args in (["generate", "--model", path], ["bench", "latency", "--model", path, "--prefill", "1x8"]):
+            code, out, err, seconds = tpweave(*args, "--dtype", "float32", cwd=tmp_path)
+            line = err.strip().splitlines()
+            assert code == 2 and len(line) == 1 and line[0].startswith(f"tpweave: error: --model {path}: "), err
+            assert message in line[0] and seconds < 60, (line, seconds)
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_rank_starts(tmp_path):
+    code, _, err, seconds = tpweave("generate", "--model", "tiny", "--prompt-ids", "1,2,999999", cwd=tmp_path)
+    assert code == 2 and "--prompt-ids '1,2,999999': token id(s) [999999] outside the model's vocabulary" in err, err
+    assert seconds < 60
 
 
 def test_model_directory_with_a_broken_config_names_the_file(tmp_path):
@@ -151,11 +196,11 @@ def test_one_flag_name_per_concept_across_commands():
 
 
 def test_generate_where_every_prompt_is_rejected_fails(tmp_path):
-    code, out, err, _ = tpweave(
-        "generate", "--model", "tiny", "-tp", "1", "--prompt-ids", "999999", "--no-compile", cwd=tmp_path
-    )
+    too_long = ",".join(["1"] * 4100)  # the tiny model has 4096 positions
+    code, out, err, _ = tpweave("generate", "--model", "tiny", "-tp", "1", "--prompt-ids", too_long, "--no-compile",
+                                cwd=tmp_path)  # fmt: skip
     assert code == 1, (out, err)
-    assert "[0] rejected: token ids [999999] are outside the vocabulary" in out
+    assert "[0] rejected:" in out and "does not fit the model's context of 4096" in out, out
     assert "1 of 1 prompt(s) rejected" in out
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tpweave.cli.common import cached_table, model_config, rank_options
+from tpweave.cli.common import cached_table, model_config, rank_options, weights_label
 from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
 from tpweave.cli.output import results_dir
 from tpweave.cli.ranks import run_ranks
@@ -116,7 +116,7 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
     rows, record, table_json = run_ranks(bench_layer_worker, *worker_args, opts=opts)[0]
     meta = run_metadata(
         {"kind": "layer", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.num_layers,
-         "reps": args.num_iters, "inner": args.inner},
+         "reps": args.num_iters, "inner": args.inner, "weights": weights_label(args.model)},
         gpus_start=gpus_start,
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "layer"], LAYER_COLUMNS))
@@ -164,7 +164,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     rows, record, table_json = run_ranks(bench_latency_worker, *worker_args, opts=opts)[0]
     meta = run_metadata(
         {"kind": "latency", "model": args.model, "tp": args.tp, "dtype": args.dtype,
-         "layers": args.num_layers or cfg.num_layers, "reps": args.num_iters, "inner": args.inner},
+         "layers": args.num_layers or cfg.num_layers, "reps": args.num_iters, "inner": args.inner,
+         "weights": weights_label(args.model)},
         gpus_start=gpus_start,
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "prefill"], PREFILL_COLUMNS))

@@ -15,8 +15,10 @@ from tpweave.models.config import DTYPES, ModelConfig
 
 
 def model_config(args: argparse.Namespace, **overrides) -> ModelConfig:
-    """The --model's config (with overrides), checked against --tensor-parallel-size; CLIError naming the flag."""
+    """The --model's config (with overrides), checked against --tensor-parallel-size; a model directory's checkpoint
+    checked to hold every tensor the model needs in its shape; CLIError naming the flag."""
     from tpweave.models import resolve_config
+    from tpweave.models.weights import check_checkpoint
 
     try:
         cfg = resolve_config(args.model, **overrides)
@@ -26,7 +28,22 @@ def model_config(args: argparse.Namespace, **overrides) -> ModelConfig:
         cfg.check_tp(args.tp)
     except ValueError as e:
         raise CLIError(f"--tensor-parallel-size {args.tp}: {e}") from None
+    if Path(args.model).is_dir():
+        try:
+            check_checkpoint(args.model, cfg)
+        except ValueError as e:
+            raise CLIError(f"--model {args.model}: {e}") from None
     return cfg
+
+
+def weights_label(model: str) -> str:
+    """How the benchmarks that time shapes (layer, latency) get their weights, for the results' metadata."""
+    if Path(model).is_dir():
+        return (
+            f"random, in the shapes of {model}/config.json (its checkpoint's tensors and shapes checked, not loaded: "
+            "the timing does not depend on the values)"
+        )
+    return "random (a preset)"
 
 
 def rank_options(args: argparse.Namespace, *, progress: bool = True) -> RankOptions:

@@ -49,6 +49,11 @@ def _prompts(args: argparse.Namespace, vocab_size: int, tok) -> list[list[int]]:
                 ids = [int(t) for t in text.split(",") if t.strip()]
             except ValueError:
                 raise CLIError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise CLIError(
+                    f"--prompt-ids {text!r}: token id(s) {bad[:4]} outside the model's vocabulary [0, {vocab_size})"
+                )
             prompts.append(ids)
         return prompts
     rng = random.Random(args.seed)

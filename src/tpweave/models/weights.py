@@ -254,15 +254,31 @@ class SafetensorsFetch:
             for key in handle.keys():
                 self.where[key] = f
 
+    def check(self) -> None:
+        """ValueError naming the first tensor the model needs that the checkpoint lacks or holds in another shape
+        (headers only: nothing is read)."""
+        for name in self.expected:
+            self._shape(name)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in the checkpoint, checked against config.json (scales: per tensor or per channel)."""
+        f = self.where.get(name)
+        if f is None:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        shape = tuple(self.handles[f].get_slice(name).get_shape())
+        want = self.expected[name]
+        scale = name.endswith(("weight_scale", "input_scale")) and shape in ((), (1,), (*want, 1), want)
+        if shape != want and not scale:
+            raise ValueError(f"tensor {name!r} in {f.name} has shape {shape}, config.json implies {want}")
+        return shape
+
     def __call__(self, piece: Piece) -> torch.Tensor:
         """This piece of its tensor, read from the checkpoint onto the device in its in-memory dtype (hf_dtype);
         scales are read whole (a per-tensor weight scale expanded to per channel). ValueError for a missing
         tensor or a shape that config.json does not imply."""
-        f = self.where.get(piece.hf_name)
-        if f is None:
-            raise ValueError(f"tensor {piece.hf_name!r} is missing from the checkpoint in {self.path}")
+        shape = self._shape(piece.hf_name)
+        f = self.where[piece.hf_name]
         sl = self.handles[f].get_slice(piece.hf_name)
-        shape = tuple(sl.get_shape())
         want = self.expected[piece.hf_name]
         if piece.hf_name.endswith(("weight_scale", "input_scale")) and shape in ((), (1,), (*want, 1), want):
             # scales: per-tensor (() or (1,)) or per-channel ((N,) or (N, 1)), read whole (small)
@@ -270,11 +286,6 @@ class SafetensorsFetch:
             t = t.reshape(-1).float()
             t = t.expand(want).contiguous() if t.numel() == 1 and want else t.reshape(want)
             return _slice(t, piece).to(self.device).contiguous()
-        if shape != want:
-            raise ValueError(
-                f"tensor {piece.hf_name!r} in {f.name} has shape {shape}, config.json implies "
-                f"{self.expected[piece.hf_name]}"
-            )
         if piece.dim is None:
             t = sl[:]
         elif piece.dim == 0:
@@ -282,6 +293,12 @@ class SafetensorsFetch:
         else:
             t = sl[:, piece.start : piece.stop]
         return t.to(device=self.device, dtype=hf_dtype(self.cfg, piece.hf_name, self.dtype)).contiguous()
+
+
+def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
+    """ValueError unless the directory's *.safetensors hold every tensor of cfg in the shape config.json implies
+    (their headers are read, nothing else): what a run on it would otherwise find out only after its ranks start."""
+    SafetensorsFetch(path, cfg, dtype=torch.bfloat16, device=torch.device("cpu")).check()
 
 
 def save_hf_checkpoint(
