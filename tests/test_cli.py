@@ -185,6 +185,24 @@ def test_help_documents_every_option():
     assert code == 0 and re.fullmatch(r"tpweave \d+\.\d+\.\d+\n", out), out
     code, _, err, _ = tpweave()
     assert code == 2 and "tpweave: error:" in err and "cmd" not in err.replace("COMMAND", ""), err
+    # each option says its default once, and none says "None"; an unknown option points to its command's help
+    for path, sub in _every_parser(parser):
+        text = re.sub(r"\s+", " ", sub.format_help())
+        assert "(default: None)" not in text and "(default: False)" not in text, path
+        assert not re.search(r"\(default:[^)]*\) \(default:", text), path
+    code, _, err, _ = tpweave("bench", "latency", "--bogus")
+    assert (
+        code == 2
+        and err.strip() == "tpweave: error: unrecognized arguments: --bogus (see `tpweave bench latency --help`)"
+    )
+
+
+def _every_parser(parser, path="tpweave"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_parser(sub, f"{path} {name}")
 
 
 def test_one_flag_name_per_concept_across_commands():
@@ -306,3 +324,14 @@ def test_results_record_whether_kernels_launch_with_pdl(monkeypatch):
     monkeypatch.setenv("TPWEAVE_PDL", "0")
     assert run_metadata()["pdl"] is False and not pdl.enabled(torch.device("cuda"))
     assert not pdl.enabled(torch.device("cpu"))
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for out in (tmp_path / "a-file" / "results", tmp_path / "a-file"):
+        code, _, err, seconds = tpweave(
+            "bench", "latency", "--model", "tiny", "--prefill", "1x8", "--output-dir", str(out), cwd=tmp_path
+        )
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"tpweave: error: --output-dir {out}"), err
+        assert seconds < 60

@@ -31,5 +31,12 @@ def results_dir(output_dir: str | None, name: str, *, files: list[str], overwrit
                 f"--output-dir {output_dir} already holds {', '.join(taken)} from an earlier run: choose another "
                 "folder or --name, or pass --overwrite"
             )
-    out.mkdir(parents=True, exist_ok=True)
+    flag = f"--output-dir {output_dir}" if output_dir is not None else f"results folder {out}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".tpweave-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:  # a file where a folder should be, no permission, a read-only file system
+        raise CLIError(f"{flag}: cannot write there ({e.strerror or e})") from None
     return out

@@ -23,15 +23,30 @@ EPILOG = "TPWEAVE_LOG=debug|info prints tpweave's log; --debug shows full traceb
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `tpweave: error: ...`, then where to find help; exit status 2."""
+    """argparse with one-line errors: `tpweave: error: ...`, then where to find help (the command's own help for
+    an option it does not know); exit status 2."""
 
     def error(self, message: str):  # noqa: D102  (argparse's hook)
         print(f"tpweave: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
+    def parse_args(self, args=None, namespace=None):  # noqa: D102  (argparse's entry point)
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = getattr(parsed, "command_parser", self)  # the (sub)command's parser names its own help
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Each option's default after its help, unless the help already says it or there is none to say (None, a
+    flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default:" in text or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
 
 
 def _number(text: str, convert, *, least, strict: bool, what: str):
@@ -166,6 +181,7 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     def command(name: str, help_text: str, parent=sub) -> Parser:
         p = parent.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        p.set_defaults(command_parser=p)
         return p
 
     demo = command("demo", "run the tiny model on several ranks, eager and compiled, and check they agree")
