@@ -385,3 +385,11 @@ def test_datasheet_figures_match_gpu_names(monkeypatch):
         assert engine._datasheet(None, engine.BF16_DENSE_FLOPS)[0] == flops
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some GPU")
     assert engine._datasheet(None, engine.BF16_DENSE_FLOPS) is None
+
+
+def test_progress_bars_stay_out_of_logs():
+    """A tqdm bar only on a terminal: in a log file its carriage returns ran into the markdown table after it."""
+    from tpweave.log import progress_bar
+
+    assert progress_bar(total=3, desc="requests").disable  # pytest captures stderr: not a terminal
+    assert list(progress_bar(items=[1, 2], desc="M")) == [1, 2]

@@ -299,6 +299,7 @@ def test_readme_launch_example_runs_as_written(tmp_path):
     script.write_text(_readme_python_example())
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.fullmatch(r"greedy next token at each of the 127 positions: \[\d+(, \d+){126}\]\n", proc.stdout)
 
 
 def test_launch_without_a_main_guard_says_what_to_do(tmp_path):
@@ -335,3 +336,26 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith(f"tpweave: error: --output-dir {out}"), err
         assert seconds < 60
+
+
+def test_user_guide_hf_launch_example_runs_as_written(tmp_path):
+    """The user guide's example of a Hugging Face model over tpweave.launch ranks, run as the guide says
+    (`python example.py /path/to/hf-model`) on a tiny random Llama checkpoint: no warning from transformers' API."""
+    import transformers
+
+    guide = (ROOT / "docs" / "user_guide.md").read_text()
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "DistributedConfig(" in b and "launch(" in b
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf-model")
+    (tmp_path / "example.py").write_text(block)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "example.py", str(tmp_path / "hf-model")],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "greedy next tokens: [[" in proc.stdout and "(the same on every rank: True )" in proc.stdout, proc.stdout

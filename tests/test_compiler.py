@@ -251,6 +251,8 @@ def test_sp_and_plain_graphs_chosen_by_token_count(reference_logits):
     out = results[0]
     # plain graphs for M = 1 and M = 5 (M < 64), one SP graph (M >= 64)
     assert [g[0] for g in out[("float32", "graphs")]] == ["plain", "plain", "sp"]
+    assert out[("float32", "serves")] == ["M = 1", "M = 2..63", "M >= 64"]  # in the report, beside each graph
+    assert "[plain] serves M = 2..63;" in out[("float32", "report")]
     plain_after = out[("float32", "graphs")][0][2]
     assert plain_after == {"all_reduce": 2 * NUM_LAYERS + 1, "all_gather_into_tensor": 1}
     for m in counts:

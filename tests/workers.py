@@ -270,6 +270,7 @@ def llama_compiled_outputs(
             (g.variant, g.counts_before, g.counts_after, [(s.kind, s.action, s.reason) for s in g.sites])
             for g in rep.graphs
         ]
+        out[(name, "serves")] = [g.serves for g in rep.graphs]
         out[(name, "schedules")] = [(g.variant, list(g.schedule), list(g.notes)) for g in rep.graphs]
         out[(name, "num_compiles")] = rep.num_compiles
         out[(name, "strategies_at_1")] = sorted(compiled.strategies_at(1))
@@ -1000,7 +1001,9 @@ def hf_tp_plan_outputs(ctx, arch, shapes, path):
     inputs = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape))) for shape in shapes]
     unsharded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     want = [unsharded(input_ids=ids).logits for ids in inputs]
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=transformers.DistributedConfig(tp_plan="auto")
+    ).eval()
     return _compiled_hf_logits(model, inputs, want)
 
 
@@ -1023,7 +1026,9 @@ def hf_generate_with_compiled_forward(ctx, path, prompts, max_new_tokens):
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     dist.barrier()
     unsharded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=transformers.DistributedConfig(tp_plan="auto")
+    ).eval()
     model.forward = tpweave.compile(model.forward, sp_min_tokens=0, strict=True)
     out = []
     for prompt in prompts:

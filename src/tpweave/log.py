@@ -36,6 +36,14 @@ def progress(msg: str, *args: object) -> None:
     progress_logger.info(msg, *args)
 
 
+def progress_bar(total: int | None = None, items=None, *, desc: str):
+    """A tqdm bar on a terminal; elsewhere (a log file, a pipe) none: a bar's carriage returns would run into the
+    lines printed after it. Iterate it (`items`) or update() it (`total`)."""
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc=desc, leave=False, disable=not sys.stderr.isatty())
+
+
 def enable_progress() -> None:
     """Print progress messages to stderr with the seconds since this call."""
     if progress_logger.handlers:

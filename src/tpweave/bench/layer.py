@@ -16,6 +16,7 @@ from torch import nn
 from tpweave.bench.arms import ARMS, arm_rows, compile_arms, compile_reports, fallbacks, prove_arms
 from tpweave.bench.stats import paired_ratio
 from tpweave.bench.timing import many_compiles, time_arms
+from tpweave.log import progress_bar
 from tpweave.models import build_model
 from tpweave.models.config import DTYPES, get_preset
 from tpweave.ops.collectives import shard_rows
@@ -219,8 +220,4 @@ def _fp8_site_arms(ctx: TPContext, site: SiteShape, m: int, names: list[str], w_
 
 
 def _progress(items, ctx: TPContext, desc: str):
-    if ctx.rank != 0:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, leave=False)
+    return items if ctx.rank != 0 else progress_bar(items=items, desc=desc)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpweave.log import progress_bar
 from tpweave.runtime.context import TPContext
 
 
@@ -240,9 +241,7 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
     clock = _Clock(ctx)
     progress = None
     if ctx.rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(requests), desc="requests", leave=False)
+        progress = progress_bar(total=len(requests), desc="requests")
     while pending or active:
         now = clock.now()
         while pending and pending[0].arrival_s <= now:

@@ -108,6 +108,17 @@ class CompiledTP:
         split = self.plan.token_split_min_tokens
         return "split" if "split" in self.variants and num_tokens >= split else "plain"
 
+    def serves(self, variant: str, num_tokens: int) -> str:
+        """The token counts the graph of `variant` compiled for a call of num_tokens serves, in words: M = 1 has a
+        graph of its own (compiler/dynamic.py), every other M of the variant's range one graph."""
+        if num_tokens == 1:
+            return "M = 1"
+        sp = self.sp_min_tokens if "sp" in self.variants else None
+        split = self.plan.token_split_min_tokens if "split" in self.variants else None
+        low, high = {"sp": (sp, None), "split": (split, sp)}.get(variant, (2, split or sp))
+        low = max(low or 2, 2)
+        return f"M >= {low}" if high is None else f"M = {low}..{high - 1}"
+
     def graph_report_for(self, num_tokens: int):
         """The GraphReport of the graph that serves M = num_tokens (after a call with such an M), else None."""
         index = self.graph_of.get((self.variant_for(num_tokens), num_tokens == 1))
@@ -156,6 +167,8 @@ class CompiledTP:
         compiled_now = self.compile_report.num_compiles - num_compiles_before
         if compiled_now:
             self.graph_of.setdefault((variant, num_tokens == 1), len(self.compile_report.graphs) - 1)
+            for graph in self.compile_report.graphs[-compiled_now:]:
+                graph.serves = self.serves(variant, num_tokens)
             progress(
                 "compiled %d %s graph(s) for M=%d in %.1f s",
                 compiled_now,

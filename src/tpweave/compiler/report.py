@@ -32,6 +32,7 @@ class GraphReport:
     graph's collectives per kind before and after the passes."""
 
     variant: str
+    serves: str = ""  # the token counts this graph serves, in words ("M = 1", "M >= 2048", ...)
     sites: list[Site] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     counts_before: dict[str, int] = field(default_factory=dict)
@@ -70,6 +71,7 @@ class GraphReport:
         """JSON-ready: variant, counts, dispatched ops, sites and notes."""
         return {
             "variant": self.variant,
+            "serves": self.serves,
             "counts_before": self.counts_before,
             "counts_after": self.counts_after,
             "dispatched": [list(d) for d in self.dispatched],
@@ -82,7 +84,8 @@ class GraphReport:
         }
 
     def __str__(self) -> str:
-        lines = [f"[{self.variant}] collectives before: {self.counts_before}  after: {self.counts_after}"]
+        serves = f" serves {self.serves};" if self.serves else ""
+        lines = [f"[{self.variant}]{serves} collectives before: {self.counts_before}  after: {self.counts_after}"]
         if self.gathered_bytes_per_token:
             lines.append(f"  all-gathered bytes per token: {self.gathered_bytes_per_token}")
         lines += [f"  {s}" for s in self.sites]
@@ -142,7 +145,8 @@ class CompileReport:
         for i, g in enumerate(self.graphs, 1):
             counts = Counter((s.kind, s.action) for s in g.sites)
             done = ", ".join(f"{n} {kind} {action}" for (kind, action), n in sorted(counts.items()))
-            lines.append(f"graph {i} [{g.variant}]: {done or 'no collective site'}")
+            serves = f" ({g.serves})" if g.serves else ""
+            lines.append(f"graph {i} [{g.variant}]{serves}: {done or 'no collective site'}")
             reasons = Counter(f"{s.kind}: {s.reason}" for s in g.sites if s.action == "left alone")
             lines += [f"  left alone x{n}: {why}" for why, n in sorted(reasons.items())]
             lines += [f"  note: {n}" for n in g.notes]
