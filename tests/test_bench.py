@@ -393,3 +393,39 @@ def test_progress_bars_stay_out_of_logs():
 
     assert progress_bar(total=3, desc="requests").disable  # pytest captures stderr: not a terminal
     assert list(progress_bar(items=[1, 2], desc="M")) == [1, 2]
+
+
+def test_intervals_cover_the_variation_between_captures():
+    """Two captures of one graph differ by more than the replays of one (0.25-0.43% on one H200): an A/A pair whose
+    copies landed on captures 0.3% apart is flagged by a bootstrap over repetitions alone, and holds 1.0 once the
+    bootstrap resamples captures first (repetition i replays capture i % 3)."""
+    from tpweave.bench.stats import aa_check
+
+    rng = np.random.default_rng(1)
+    groups = [i % 3 for i in range(60)]
+    offsets_a, offsets_b = [1.000, 1.003, 0.998], [1.003, 1.000, 1.004]  # each copy's three captures
+    a = [10 * offsets_a[g] * (1 + rng.normal(0, 2e-4)) for g in groups]
+    b = [10 * offsets_b[g] * (1 + rng.normal(0, 2e-4)) for g in groups]
+    assert aa_check(a, b)["flagged"]  # repetitions alone: the captures' offsets look like a real difference
+    hierarchical = aa_check(a, b, groups=groups)
+    assert not hierarchical["flagged"] and hierarchical["lo"] < 1.0 < hierarchical["hi"], hierarchical
+    with pytest.raises(ValueError, match="one capture index per repetition"):
+        aa_check(a, b, groups=groups[:-1])
+
+
+def test_each_arm_is_timed_over_several_captures():
+    """On CUDA each arm gets `captures` graphs, repetition i replaying capture i % captures (the groups of its
+    samples); on the CPU there is nothing to capture: one runner, one group."""
+    from tpweave.bench.timing import time_arms
+
+    calls = {"x": 0}
+
+    def arm():
+        calls["x"] += 1
+
+    timings = time_arms({"a": arm, "b": arm}, reps=6, warmup=1, inner=1, captures=3)
+    want = [i % timings.captures for i in range(6)]
+    assert timings["a"].groups == timings["b"].groups == want and len(timings["a"].samples_ms) == 6
+    assert timings.captures == (3 if torch.cuda.is_available() else 1)
+    with pytest.raises(ValueError, match="captures must be >= 1"):
+        time_arms({"a": arm}, captures=0)

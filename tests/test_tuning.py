@@ -307,3 +307,18 @@ def test_every_strategy_stays_in_every_graph_mode():
         assert graphed.variants["sp"].policy("ag_mm", 4, 4) == everything
         assert graphed.variants["plain"].policy("all_reduce", 8, 8) == everything
         assert graphed.variants["split"].token_split_sms == 8
+
+
+def test_one_rank_plans_nothing_that_only_pays_off_with_peers():
+    """At TP=1 `tpweave.compile`'s defaults are the plain TP baseline's plan: no SP graph, no token split, no fused
+    all-reduce + norm kernel (it has nothing to exchange), every policy `sequential`, whatever the backend."""
+    from tpweave.compiler.options import PLAIN_TP, CompileOptions, plan
+    from tpweave.compiler.tp_group import TPGroup
+
+    for backend in ("nccl", "gloo", "none"):
+        one = TPGroup("g" if backend != "none" else "", 0, 1, backend)
+        auto, baseline = plan(CompileOptions(), one, None), plan(PLAIN_TP, one, None)
+        assert auto.variants == baseline.variants and set(auto.variants) == {"plain"}, backend
+        assert auto.token_split_min_tokens is None
+        opts = auto.variants["plain"]
+        assert {opts.all_reduce_policy, opts.all_reduce_rms_norm_policy, opts.ag_mm_policy} == {"sequential"}

@@ -85,6 +85,7 @@ def arm_rows(timings, *, scale: float = 1.0, key: dict[str, Any], seed: int = 0)
     candidates = [a for a in PLAIN_ALL_REDUCES if a in timings]
     best = min(candidates, key=lambda a: timings[a].median_ms) if candidates else None
     samples = {arm: t.samples_ms for arm, t in timings.items()}
+    groups = next((t.groups for t in timings.values() if t.groups), None)  # the capture of each repetition
     if best is not None:
         samples["plain_best"] = samples[best]
     comp = median(samples["compute_only"]) if "compute_only" in samples else None
@@ -98,13 +99,13 @@ def arm_rows(timings, *, scale: float = 1.0, key: dict[str, Any], seed: int = 0)
             row["chosen"] = best
         for base in ("plain_best", "plain_nccl"):
             if base in samples:
-                row[f"vs_{base}"] = paired_ratio(samples[base], s, seed=seed).to_dict()
+                row[f"vs_{base}"] = paired_ratio(samples[base], s, seed=seed, groups=groups).to_dict()
         if "plain_best" in samples and comp is not None:
             gap = median(samples["plain_best"]) - comp
             row["hidden"] = (median(samples["plain_best"]) - t_arm) / gap if gap > 0 else None
             row["of_compute_only"] = comp / t_arm
         if arm == "auto" and "auto_aa" in samples:
-            row["aa"] = aa_check(samples["auto"], samples["auto_aa"], seed=seed)
+            row["aa"] = aa_check(samples["auto"], samples["auto_aa"], seed=seed, groups=groups)
         rows.append(row)
     return rows
 

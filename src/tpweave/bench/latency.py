@@ -74,7 +74,7 @@ def bench_latency(
         def measure(what: str, m: int, key: dict, args: tuple) -> None:
             fns = {a: (lambda f=f: f(*args)) for a, f in compiled.items()}
             timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup,
-                                inner=settings.inner, seed=m)  # fmt: skip
+                                inner=settings.inner, seed=m, captures=settings.captures)  # fmt: skip
             record["orders"][f"{what} {key}"] = timings.orders
             for row in arm_rows(timings, key={"what": what, **key, "tokens": m}):
                 row["variant"] = compiled[row.get("chosen") or row["arm"]].variant_for(m)

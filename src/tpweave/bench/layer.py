@@ -55,6 +55,7 @@ class BenchSettings:
     warmup: int = 3
     inner: int = 5
     verify: bool = True
+    captures: int = 3  # CUDA graphs per arm (bench/timing.py): the intervals cover capture-to-capture variation
 
 
 def _layer_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: int, table, arms: tuple[str, ...]):
@@ -95,7 +96,7 @@ def bench_layers(
             cu = torch.tensor([0, m], dtype=torch.int32, device=ctx.device)  # one sequence: a prefill
             fns = {name: (lambda fn=fn: fn(x, positions, cu)) for name, fn in compiled.items()}
             timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup,
-                                inner=settings.inner, seed=m)  # fmt: skip
+                                inner=settings.inner, seed=m, captures=settings.captures)  # fmt: skip
             record["orders"][m] = timings.orders
             key = {"what": "layer", "tokens": m}
             for row in arm_rows(timings, scale=1 / num_layers, key=key):
@@ -172,7 +173,7 @@ def bench_ops(
             if site.kind in ("ag_mm", "mm_rs"):  # an all-reduce has no compute to hide behind
                 fns["compute_only"] = lambda: a_full @ w
             timings = time_arms(fns, group=ctx.group, reps=settings.reps, warmup=settings.warmup,
-                                inner=settings.inner, seed=m)  # fmt: skip
+                                inner=settings.inner, seed=m, captures=settings.captures)  # fmt: skip
             seq = timings["sequential"]
             comp = timings["compute_only"].median_ms if "compute_only" in timings else seq.median_ms
             for name, t in timings.items():
@@ -184,7 +185,7 @@ def bench_ops(
                         "arm": name,
                         "ms": t.median_ms,
                         "samples_ms": t.samples_ms,
-                        "vs_sequential": paired_ratio(seq.samples_ms, t.samples_ms, seed=m).to_dict(),
+                        "vs_sequential": paired_ratio(seq.samples_ms, t.samples_ms, seed=m, groups=t.groups).to_dict(),
                         "hidden": hidden_fraction(t.median_ms, seq.median_ms, comp),
                         "spread": t.spread,
                     }

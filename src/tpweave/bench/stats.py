@@ -3,7 +3,10 @@
 Samples of two arms are paired by repetition: in repetition i every arm ran once, in a shuffled order,
 so sample i of arm A and sample i of arm B saw the same machine state. The interval of
 median(A) / median(B) comes from a paired bootstrap over repetitions (resample repetition indices,
-recompute both medians), the percentile method, a fixed seed. A ratio whose interval holds 1.0 is
+recompute both medians), the percentile method, a fixed seed. Where each arm was captured in several CUDA
+graphs and repetition i replayed capture `groups[i]` (two captures of one graph differ by more than the
+repetitions of one capture), the bootstrap is hierarchical: resample the captures, then the repetitions
+within each, so the interval covers capture-to-capture variation too. A ratio whose interval holds 1.0 is
 "no significant difference", never a win or a loss.
 """
 
@@ -49,27 +52,47 @@ class Ratio:
         return {**asdict(self), "verdict": self.verdict}
 
 
-def paired_ratio(base_ms: list[float], arm_ms: list[float], *, seed: int = 0) -> Ratio:
-    """median(base) / median(arm) and its paired-bootstrap 95% interval (samples paired by repetition)."""
+def _resample(groups: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """(BOOTSTRAP_RESAMPLES, n) repetition indices: per resample the groups drawn with replacement, then within
+    each drawn group its repetitions drawn with replacement (n indices in all, the groups' sizes kept)."""
+    n = len(groups)
+    members = [np.flatnonzero(groups == g) for g in np.unique(groups)]
+    out = np.empty((BOOTSTRAP_RESAMPLES, n), dtype=np.int64)
+    for b in range(BOOTSTRAP_RESAMPLES):
+        picked = rng.integers(0, len(members), size=len(members))
+        parts = [members[g][rng.integers(0, len(members[g]), size=len(members[g]))] for g in picked]
+        row = np.concatenate(parts)
+        out[b] = row[:n] if len(row) >= n else np.resize(row, n)
+    return out
+
+
+def paired_ratio(base_ms: list[float], arm_ms: list[float], *, seed: int = 0, groups: list[int] | None = None) -> Ratio:
+    """median(base) / median(arm) and its paired-bootstrap 95% interval (samples paired by repetition; with
+    `groups`, the capture each repetition replayed: hierarchical, captures then repetitions)."""
     base, arm = np.asarray(base_ms, dtype=float), np.asarray(arm_ms, dtype=float)
     if base.shape != arm.shape or base.ndim != 1 or len(base) == 0:
         raise ValueError(f"paired samples need equal non-empty lengths, got {len(base_ms)} and {len(arm_ms)}")
+    if groups is not None and len(groups) != len(base):
+        raise ValueError(f"groups needs one capture index per repetition, got {len(groups)} for {len(base)}")
     ratio = float(np.median(base) / np.median(arm))
     if len(base) < 3:  # no interval worth the name: as wide as possible, never significant
         return Ratio(ratio, 0.0, float("inf"), len(base))
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(base), size=(BOOTSTRAP_RESAMPLES, len(base)))
+    if groups is not None and len(set(groups)) > 1:
+        idx = _resample(np.asarray(groups), rng)
+    else:
+        idx = rng.integers(0, len(base), size=(BOOTSTRAP_RESAMPLES, len(base)))
     boots = np.median(base[idx], axis=1) / np.median(arm[idx], axis=1)
     tail = (1 - CONFIDENCE) / 2 * 100
     lo, hi = np.percentile(boots, [tail, 100 - tail])
     return Ratio(ratio, float(lo), float(hi), len(base))
 
 
-def aa_check(first_ms: list[float], second_ms: list[float], *, seed: int = 0) -> dict:
-    """The A/A control: two independently captured copies of one arm. Its ratio and interval, and
-    `flagged` when the interval excludes 1.0 (the run's noise or a bias in the harness is then larger
-    than the gains it can resolve)."""
-    r = paired_ratio(first_ms, second_ms, seed=seed)
+def aa_check(first_ms: list[float], second_ms: list[float], *, seed: int = 0, groups: list[int] | None = None) -> dict:
+    """The A/A control: two independently captured copies of one arm. Its ratio and interval (hierarchical
+    with `groups`, as paired_ratio), and `flagged` when the interval excludes 1.0 (the run's noise or a bias in
+    the harness is then larger than the gains it can resolve)."""
+    r = paired_ratio(first_ms, second_ms, seed=seed, groups=groups)
     return {**r.to_dict(), "flagged": r.significant, "half_width": (r.hi - r.lo) / 2}
 
 

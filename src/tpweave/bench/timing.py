@@ -1,8 +1,9 @@
 """Timing arms against each other the way a performance engineer would trust.
 
-Each arm is a zero-argument callable. On CUDA every arm is captured in its own CUDA graph after a
-warm-up (so host overhead is out and symmetric-memory workspaces are sized first), then in each of
-`reps` repetitions every arm runs once, in an order shuffled per repetition (seeded, recorded), each
+Each arm is a zero-argument callable. On CUDA every arm is captured in `captures` CUDA graphs of its own
+after a warm-up (so host overhead is out and symmetric-memory workspaces are sized first; two captures of
+one graph differ by more than the replays of one), then in each of `reps` repetitions every arm runs once,
+repetition i replaying capture i % captures, in an order shuffled per repetition (seeded, recorded), each
 sample timed with CUDA events over `inner` replays. A sample is the slowest rank's time (an op is done
 when every rank is done). On CPU the same loop runs eagerly with wall-clock timers. Every raw sample is
 kept: bench/stats.py pairs them by repetition for the intervals.
@@ -43,6 +44,7 @@ class ArmTiming:
 
     samples_ms: list[float]
     peak_mem_bytes: int = 0
+    groups: list[int] | None = None  # the capture each sample replayed (bench/stats.py: hierarchical intervals)
 
     @property
     def median_ms(self) -> float:
@@ -60,11 +62,12 @@ class ArmTiming:
 
 class Timings(dict):
     """{arm: ArmTiming}, with the arm order of every repetition (`orders`), the seed that shuffled them,
-    and each arm's runner (its CUDA graph's replay, or the callable on CPU) for a kernel check of what was timed."""
+    and each arm's runner (its first CUDA graph's replay, or the callable on CPU) for a kernel check of what was
+    timed, and how many captures each arm had."""
 
-    def __init__(self, arms: dict[str, ArmTiming], *, orders: list[list[str]], seed: int, runners: dict):
+    def __init__(self, arms: dict[str, ArmTiming], *, orders: list[list[str]], seed: int, runners: dict, captures=1):
         super().__init__(arms)
-        self.orders, self.seed, self.runners = orders, seed, runners
+        self.orders, self.seed, self.runners, self.captures = orders, seed, runners, captures
 
 
 def _max_over_ranks(values: list[float], group) -> list[float]:
@@ -104,14 +107,18 @@ def time_arms(
     inner: int = 5,
     cuda_graphs: bool = True,
     seed: int = 0,
+    captures: int = 3,
 ) -> Timings:
-    """Every arm warmed up (and on CUDA captured in its own CUDA graph), then `reps` repetitions in each of
-    which every arm runs once, in an order shuffled per repetition by a generator seeded with `seed` (the
-    same on every rank); a sample is `inner` calls timed together, per call, the slowest rank's time."""
+    """Every arm warmed up (and on CUDA captured in `captures` CUDA graphs of its own), then `reps` repetitions in
+    each of which every arm runs once (repetition i replays capture i % captures), in an order shuffled per
+    repetition by a generator seeded with `seed` (the same on every rank); a sample is `inner` calls timed
+    together, per call, the slowest rank's time."""
+    if captures < 1:
+        raise ValueError(f"captures must be >= 1, got {captures}")
     names = list(arms)
     on_cuda = torch.cuda.is_available() and (group is None or dist.get_backend(group) == "nccl")
     peak: dict[str, int] = {n: 0 for n in names}
-    runners: dict[str, Callable[[], Any]] = {}
+    runners: dict[str, list[Callable[[], Any]]] = {}
     for name in names:
         fn = arms[name]
         if on_cuda:
@@ -123,19 +130,22 @@ def time_arms(
         if on_cuda:
             torch.cuda.synchronize()
             peak[name] = torch.cuda.max_memory_allocated() - base
-        runners[name] = capture(fn, group) if on_cuda and cuda_graphs else fn
+        runners[name] = [capture(fn, group) for _ in range(captures)] if on_cuda and cuda_graphs else [fn]
         _barrier(group)
+    num_captures = len(next(iter(runners.values()))) if runners else 1
     rng = random.Random(seed)
     orders: list[list[str]] = []
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(reps):
+    for i in range(reps):
         order = names[:]
         rng.shuffle(order)
         orders.append(order)
         for name in order:
-            samples[name].append(time_call(runners[name], inner=inner, on_cuda=on_cuda, group=group))
-    out = {name: ArmTiming(_max_over_ranks(samples[name], group), peak[name]) for name in names}
-    return Timings(out, orders=orders, seed=seed, runners=runners)
+            samples[name].append(time_call(runners[name][i % num_captures], inner=inner, on_cuda=on_cuda, group=group))
+    groups = [i % num_captures for i in range(reps)]
+    out = {name: ArmTiming(_max_over_ranks(samples[name], group), peak[name], groups) for name in names}
+    first = {name: runs[0] for name, runs in runners.items()}
+    return Timings(out, orders=orders, seed=seed, runners=first, captures=num_captures)
 
 
 def time_call(run: Callable[[], Any], *, inner: int, on_cuda: bool, group=None) -> float:

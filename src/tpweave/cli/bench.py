@@ -21,6 +21,7 @@ def _settings(args: argparse.Namespace):
         warmup=args.num_iters_warmup,
         inner=args.inner,
         verify=not getattr(args, "no_verify", False),
+        captures=args.captures,
     )
 
 

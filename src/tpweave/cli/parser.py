@@ -155,6 +155,13 @@ def _timing(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-iters-warmup", type=non_negative_int, default=3, help="untimed calls per arm before capture")
     p.add_argument("--inner", type=positive_int, default=5, help="CUDA-graph replays per timed sample")
+    p.add_argument(
+        "--captures",
+        type=positive_int,
+        default=3,
+        help="CUDA graphs captured per arm, the repetitions replaying them in turn (the 95%% intervals cover the "
+        "variation between captures)",
+    )
 
 
 def _output(p: argparse.ArgumentParser) -> None:
