@@ -429,3 +429,47 @@ def test_each_arm_is_timed_over_several_captures():
     assert timings.captures == (3 if torch.cuda.is_available() else 1)
     with pytest.raises(ValueError, match="captures must be >= 1"):
         time_arms({"a": arm}, captures=0)
+
+
+def test_gpu_clocks_sampled_through_the_run(tmp_path, monkeypatch):
+    """nvidia-smi's samples through a run summarized per GPU (min / median / max SM clock and power) and said in the
+    provenance; where there is no nvidia-smi the summary says it was not sampled."""
+    from tpweave.bench import provenance
+    from tpweave.bench.results import provenance_lines
+
+    csv = "timestamp, index, clocks.sm [MHz], clocks.mem [MHz], power.draw [W], temperature.gpu\n" + "".join(
+        f"2026/12/04 00:00:0{i}.000, 0, {1980 - 100 * i}, 3201, {600 + 20 * i}, 50\n" for i in range(5)
+    )
+
+    class FakeSmi:
+        def __init__(self, cmd, stdout, stderr):
+            assert cmd[0] == "nvidia-smi" and "-lms=500" in cmd
+            stdout.write(csv)
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    monkeypatch.setattr(provenance.subprocess, "Popen", FakeSmi)
+    with provenance.GpuSampler(tmp_path / "run-nvidia-smi.csv") as sampler:
+        pass
+    summary = sampler.summary()
+    assert summary == {
+        "file": "run-nvidia-smi.csv",
+        "samples": 5,
+        "per_gpu": {"0": {"sm_clock_mhz": [1580.0, 1780.0, 1980.0], "power_w": [600.0, 640.0, 680.0]}},
+    }
+    line = provenance_lines({"gpu_samples": summary})[0]
+    assert line == ("- GPU 0 through the run (5 samples, run-nvidia-smi.csv): SM clock 1580.0 / 1780.0 / 1980.0 MHz, "
+                    "power 600.0 / 640.0 / 680.0 W (min / median / max)")  # fmt: skip
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(provenance.subprocess, "Popen", missing)
+    with provenance.GpuSampler(tmp_path / "none.csv") as sampler:
+        pass
+    assert sampler.summary() == {"file": None, "why": "not sampled: No such file or directory"}
+    assert not (tmp_path / "none.csv").exists()

@@ -154,6 +154,64 @@ def gpu_state() -> list[dict[str, str]] | None:
     return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in out.stdout.strip().splitlines()]
 
 
+SAMPLED_FIELDS = "timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu"
+
+
+class GpuSampler:
+    """nvidia-smi sampling every GPU's clocks, power and temperature every `interval_ms` into a CSV file for as
+    long as the `with` block runs (a run's clocks move with the power limit between its start and its end);
+    `summary()` afterwards: the file, the number of samples, per GPU the SM clock and power (min / median /
+    max). Without nvidia-smi nothing is sampled and the summary says so."""
+
+    def __init__(self, path: Path, interval_ms: int = 500):
+        self.path, self.interval_ms, self.proc, self.file, self.why = Path(path), interval_ms, None, None, ""
+
+    def __enter__(self) -> GpuSampler:
+        cmd = ["nvidia-smi", f"--query-gpu={SAMPLED_FIELDS}", "--format=csv,nounits", f"-lms={self.interval_ms}"]
+        try:
+            self.file = self.path.open("w")
+            self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.DEVNULL)
+        except OSError as e:  # no nvidia-smi (a CPU machine), or the file cannot be written
+            self.why = f"not sampled: {e.strerror or e}"
+            if self.file is not None:
+                self.file.close()
+                self.path.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.file.close()
+
+    def summary(self) -> dict:
+        """JSON-ready: {"file", "samples", "per_gpu": {index: {"sm_clock_mhz": [min, median, max],
+        "power_w": [...]}}}, or {"file": None, "why": ...}."""
+        if self.proc is None:
+            return {"file": None, "why": self.why or "not sampled"}
+        rows = [line.split(",") for line in self.path.read_text().splitlines()[1:] if line.count(",") >= 5]
+        per_gpu: dict[str, dict[str, list[float]]] = {}
+        for row in rows:
+            try:
+                sm, power = float(row[2]), float(row[4])
+            except ValueError:  # "[N/A]"
+                continue
+            gpu = per_gpu.setdefault(row[1].strip(), {"sm": [], "power": []})
+            gpu["sm"].append(sm)
+            gpu["power"].append(power)
+
+        def spread(values: list[float]) -> list[float]:
+            values = sorted(values)
+            return [values[0], values[len(values) // 2], values[-1]] if values else []
+
+        return {"file": self.path.name, "samples": len(rows),
+                "per_gpu": {i: {"sm_clock_mhz": spread(g["sm"]), "power_w": spread(g["power"])}
+                            for i, g in per_gpu.items()}}  # fmt: skip
+
+
 def environment() -> dict[str, str]:
     """The variables that change what communication does (NCCL_*, TORCH_SYMM_MEM_*, ...)."""
     import os

@@ -12,10 +12,13 @@ from typing import Any
 import torch
 
 
-def run_metadata(extra: dict[str, Any] | None = None, *, gpus_start: list | None = None) -> dict[str, Any]:
+def run_metadata(
+    extra: dict[str, Any] | None = None, *, gpus_start: list | None = None, gpu_samples: dict | None = None
+) -> dict[str, Any]:
     """Provenance of this run, found by the tool (bench/provenance.py): the code (tpweave's commit and
     dirty flag, or its version and a hash of its sources), torch / Triton / NCCL / CUDA versions, the
-    GPUs' clocks and temperatures at the start (`gpus_start`) and now, the communication environment
+    GPUs' clocks and temperatures at the start (`gpus_start`) and now, and sampled through the run
+    (`gpu_samples`: provenance.GpuSampler's summary), the communication environment
     variables, whether tpweave's and Inductor's kernels launch with PDL (ops/pdl.py), the command line and UTC
     date; merged with `extra`."""
     from tpweave.bench.provenance import code_version, describe, environment, gpu_state, versions
@@ -31,6 +34,7 @@ def run_metadata(extra: dict[str, Any] | None = None, *, gpus_start: list | None
         "versions": versions(),
         "gpus_start": gpus_start,
         "gpus_end": gpu_state(),
+        "gpu_samples": gpu_samples,
         "env": environment(),
         "pdl": torch.cuda.is_available() and pdl.enabled(torch.device("cuda")),
         "command": " ".join(shlex.quote(a) for a in ["tpweave", *sys.argv[1:]]),
@@ -125,8 +129,8 @@ SECTIONS = (
 
 
 # Metadata kept in the JSON but summarized (provenance_lines), not dumped, in the markdown
-BULKY_META = {"kernels", "compile_reports", "orders", "code", "versions", "gpus_start", "gpus_end", "env",
-              "table", "fallbacks", "verification_problems", "failures", "aa", "compile_report"}  # fmt: skip
+BULKY_META = {"kernels", "compile_reports", "orders", "code", "versions", "gpus_start", "gpus_end", "gpu_samples",
+              "env", "table", "fallbacks", "verification_problems", "failures", "aa", "compile_report"}  # fmt: skip
 
 
 def proof_text(meta: dict[str, Any]) -> str:
@@ -175,6 +179,16 @@ def provenance_lines(meta: dict[str, Any]) -> list[str]:
             clocks = f"SM {g.get('clocks_sm')} of {g.get('clocks_max_sm')} MHz"
             lines.append(f"- GPU {g.get('index')} at {when[5:]}: {g.get('name')}, {clocks}, "
                          f"{g.get('temperature_gpu')} C, {g.get('power_draw')} W")  # fmt: skip
+    samples = meta.get("gpu_samples")
+    if samples:
+        if samples.get("file"):
+            for i, g in samples.get("per_gpu", {}).items():
+                sm, power = g.get("sm_clock_mhz") or ["?"] * 3, g.get("power_w") or ["?"] * 3
+                lines.append(f"- GPU {i} through the run ({samples['samples']} samples, {samples['file']}): SM clock "
+                             f"{sm[0]} / {sm[1]} / {sm[2]} MHz, power {power[0]} / {power[1]} / {power[2]} W "
+                             "(min / median / max)")  # fmt: skip
+        else:
+            lines.append(f"- GPU clocks through the run: {samples.get('why')}")
     if meta.get("env"):
         lines.append("- environment: " + ", ".join(f"{k}={v}" for k, v in meta["env"].items()))
     if "pdl" in meta:

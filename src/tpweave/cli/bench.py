@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tpweave.bench.provenance import GpuSampler
 from tpweave.cli.common import cached_table, model_config, rank_options, weights_label
 from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
 from tpweave.cli.output import results_dir
@@ -114,11 +115,12 @@ def cmd_bench_layer(args: argparse.Namespace) -> int:
     out, name = _out(args, f"layer-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     worker_args = (args.model, args.dtype, args.num_tokens, _settings(args), args.num_layers, not args.no_ops)
     gpus_start = gpu_state()
-    rows, record, table_json = run_ranks(bench_layer_worker, *worker_args, opts=opts)[0]
+    with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:
+        rows, record, table_json = run_ranks(bench_layer_worker, *worker_args, opts=opts)[0]
     meta = run_metadata(
         {"kind": "layer", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers_timed": args.num_layers,
          "reps": args.num_iters, "inner": args.inner, "weights": weights_label(args.model)},
-        gpus_start=gpus_start,
+        gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "layer"], LAYER_COLUMNS))
     return _finish(args, out, name, meta, rows, record, table_json)
@@ -162,12 +164,13 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     out, name = _out(args, f"latency-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     worker_args = (args.model, args.dtype, args.num_layers, args.prefill, args.decode, _settings(args))
     gpus_start = gpu_state()
-    rows, record, table_json = run_ranks(bench_latency_worker, *worker_args, opts=opts)[0]
+    with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:
+        rows, record, table_json = run_ranks(bench_latency_worker, *worker_args, opts=opts)[0]
     meta = run_metadata(
         {"kind": "latency", "model": args.model, "tp": args.tp, "dtype": args.dtype,
          "layers": args.num_layers or cfg.num_layers, "reps": args.num_iters, "inner": args.inner,
          "weights": weights_label(args.model)},
-        gpus_start=gpus_start,
+        gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "prefill"], PREFILL_COLUMNS))
     print(markdown_table([r for r in rows if r["what"] == "decode"], DECODE_COLUMNS))
@@ -254,14 +257,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         engine_kwargs["num_layers"] = args.num_layers
     gpus_start = gpu_state()
     worker_args = (args.model, args.dtype, arms, cells, engine_kwargs, args.seed, args.rounds)
-    rows, orders, fell_back = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
+    with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:
+        rows, orders, fell_back = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
     failures = "; ".join(filter(None, [_serve_failures(rows), *(f"fallback: {f}" for f in fell_back)])) or None
     meta = run_metadata(
         {"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
          "num_requests": args.num_prompts, "rounds": args.rounds, "orders": orders, "failures": failures,
          "fallbacks": fell_back,
          **engine_kwargs},
-        gpus_start=gpus_start,
+        gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
     print(markdown_table(rows, SERVE_COLUMNS))
     json_path, md_path = write_results(out, name, meta, rows)
@@ -331,12 +335,13 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
                      "async_scheduling": not args.sync_scheduling}  # fmt: skip
     gpus_start = gpu_state()
     worker_args = (args.model, args.dtype, args.num_layers, settings, engine_kwargs)
-    rows, record = run_ranks(bench_engine_worker, *worker_args, opts=opts)[0]
+    with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:
+        rows, record = run_ranks(bench_engine_worker, *worker_args, opts=opts)[0]
     failures = "; ".join(f"fallback: {f}" for f in record["fallbacks"]) or None
     meta = run_metadata(
         {"kind": "engine", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
          "failures": failures, **record},
-        gpus_start=gpus_start,
+        gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
     print(markdown_table([r for r in rows if r["what"] == "engine_decode"], ENGINE_DECODE_COLUMNS))
     print(markdown_table([r for r in rows if r["what"] == "engine_prefill"], ENGINE_PREFILL_COLUMNS))
