@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The TP=2 measurements the open issues need, as steps that each fit one device call (10 min) and
 # leave few files (the device returns at most 8): every step writes its logs and results into
-# $OUT/<step>.tar.gz. Run from the repository root on the 2-GPU box, e.g.
-#   TPWEAVE_COMMIT=<hash> bash benchmarks/tp2_session.sh tests calibrate8b layer8b
+# $OUT/<step>.tar.gz. Before the device call, on the session's machine, after committing:
+#   python -c "from tpweave.bench.provenance import write_manifest; print(write_manifest())"
+# and carry .tpweave-manifest.json with the call (the device copy's git metadata can lag: with the manifest
+# every result records the commit whose sources it ran, bench/provenance.py). Then from the repository root
+# on the 2-GPU box, e.g.
+#   bash benchmarks/tp2_session.sh tests calibrate8b layer8b
 # Steps, in the order to run them (a protocol bug would hang calibration, so tests come first):
 #   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols), PDL + padding probe
 #   calibrate8b calibration table for llama3-8b (every strategy per site shape and M)
@@ -21,7 +25,7 @@ tpw() { python -m tpweave "$@"; }
 step() {
     local name=$1 dir
     dir=$(mktemp -d)
-    echo "== $name (commit ${TPWEAVE_COMMIT:-unknown}) $(date -u +%FT%TZ)" | tee "$dir/commands.txt"
+    echo "== $name ($(python -c 'from tpweave.bench.provenance import code_version, describe; print(describe(code_version()))')) $(date -u +%FT%TZ)" | tee "$dir/commands.txt"
     case $name in
         tests)
             # the emulated-rank tests (one GPU is enough for them) would not leave time for the probe

@@ -473,3 +473,26 @@ def test_gpu_clocks_sampled_through_the_run(tmp_path, monkeypatch):
         pass
     assert sampler.summary() == {"file": None, "why": "not sampled: No such file or directory"}
     assert not (tmp_path / "none.csv").exists()
+
+
+def test_a_copy_of_the_tree_proves_its_commit_with_the_manifest(tmp_path, monkeypatch):
+    """The GPU machine's copy of the checkout carries git metadata that can lag behind its files (19 of 20 runs were
+    recorded dirty, naming commits whose sources they did not run). With the manifest written before the copy, a
+    run whose sources hash to the manifest's records the manifest's commit, clean; other sources stay dirty."""
+    import json
+
+    from tpweave.bench import provenance
+
+    stale = {"rev-parse": "0" * 40, "status": " M src/tpweave/x.py"}  # what the copy's git says
+    monkeypatch.setattr(
+        provenance, "_git", lambda *args: stale["status"] if args[0] == "status" else stale["rev-parse"]
+    )
+    manifest = tmp_path / "manifest.json"
+    monkeypatch.setenv("TPWEAVE_MANIFEST", str(manifest))
+    manifest.write_text(json.dumps({"commit": "a" * 40, "source_hash": provenance.source_hash()}))
+    code = provenance.code_version()
+    assert code["commit"] == "a" * 40 and code["dirty"] is False and code["proved_by"] == provenance.MANIFEST_NAME
+    assert provenance.describe(code) == f"commit {'a' * 10} (sources checked against .tpweave-manifest.json)"
+    manifest.write_text(json.dumps({"commit": "a" * 40, "source_hash": "0123456789abcdef"}))  # other sources
+    code = provenance.code_version()
+    assert code["commit"] == "0" * 40 and code["dirty"] is True

@@ -1,5 +1,10 @@
 """Which code produced a result, found by the tool: tpweave's own git commit and whether its tree
-differs from it, or (installed without a checkout) the package version and a hash of its sources."""
+differs from it, or (installed without a checkout) the package version and a hash of its sources.
+
+A copy of the tree made elsewhere (the GPU machine's copy of this checkout carries git metadata that can lag
+behind its files) proves its commit with a manifest written beside the checkout before the copy
+(`write_manifest`, benchmarks/device_manifest.sh): the commit and the hash of that commit's sources. A run whose
+sources hash to the manifest's ran that commit, clean; any other difference makes it dirty."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from typing import Any
 import tpweave.log
 
 PACKAGE_DIR = Path(tpweave.log.__file__).resolve().parent
+MANIFEST_NAME = ".tpweave-manifest.json"  # at the checkout's root (git-ignored), carried with a copy of the tree
 
 
 def source_hash(root: Path = PACKAGE_DIR) -> str:
@@ -45,30 +51,58 @@ def code_version() -> dict[str, Any]:
         top = _git("rev-parse", "--show-toplevel")
         status = _git("status", "--porcelain", "--", str(PACKAGE_DIR)) if top else None
         dirty = bool(status) if status is not None else None
-    return {"commit": commit, "dirty": dirty, "source_hash": source_hash(), "version": pkg_version}
+    digest = source_hash()
+    out = {"commit": commit, "dirty": dirty, "source_hash": digest, "version": pkg_version}
+    manifest = _manifest()
+    if dirty is not False and manifest is not None and manifest.get("source_hash") == digest:
+        # git's view is stale or absent here, but these are exactly the sources of the manifest's commit
+        out |= {"commit": manifest["commit"], "dirty": False, "proved_by": MANIFEST_NAME}
+    return out
+
+
+def _manifest() -> dict[str, Any] | None:
+    import json
+    import os
+
+    path = Path(os.environ.get("TPWEAVE_MANIFEST") or PACKAGE_DIR.parents[1] / MANIFEST_NAME)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and {"commit", "source_hash"} <= set(data) else None
+
+
+def write_manifest(path: Path | None = None) -> dict[str, str]:
+    """Write the manifest (module doc) of this checkout's HEAD: its commit and the hash of its committed sources
+    (`commit_source_hash`), whatever the working tree holds; the manifest."""
+    import json
+
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        raise RuntimeError("write_manifest needs tpweave's git checkout")
+    manifest = {"commit": commit, "source_hash": commit_source_hash(commit)}
+    target = path or PACKAGE_DIR.parents[1] / MANIFEST_NAME
+    target.write_text(json.dumps(manifest) + "\n")
+    return manifest
 
 
 def describe(code: dict[str, Any]) -> str:
     """One line: 'commit abc1234', or with uncommitted changes or without a checkout the sources' hash
     (and the commit whose sources have that hash, when this checkout's history holds one)."""
     if code.get("commit") and code.get("dirty") is False:
-        return f"commit {code['commit'][:10]}"
+        proved = f" (sources checked against {code['proved_by']})" if code.get("proved_by") else ""
+        return f"commit {code['commit'][:10]}{proved}"
     where = f"commit {code['commit'][:10]} + uncommitted changes, " if code.get("commit") else ""
     text = f"{where}sources sha256:{code.get('source_hash')}"
     match = commit_of_sources(code.get("source_hash"))
     return text + (f" (= the sources of commit {match[:10]})" if match else "")
 
 
-def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | None:
-    """The commit (of this checkout's last `max_commits`) that brought in the newest src/tpweave with this
-    source_hash: the oldest of the run of commits that have it, so commits that leave the sources alone do not
-    change the answer."""
-    if not digest:
-        return None
+def _commit_hashes(commits: list[str]) -> dict[str, str]:
+    """{commit: source_hash of its src/tpweave}, computed from git's objects (the checkout's files untouched)."""
     top = _git("rev-parse", "--show-toplevel")
-    commits = (_git("rev-list", f"--max-count={max_commits}", "HEAD") or "").split()
     if not top or not commits:
-        return None
+        return {}
     prefix = Path(PACKAGE_DIR.relative_to(Path(top).resolve()).as_posix())
     trees: dict[str, list[tuple[Path, str]]] = {}
     for commit in commits:  # (path under the package, blob id) of every .py file
@@ -79,13 +113,32 @@ def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | No
         )
     blobs = sorted({blob for files in trees.values() for _, blob in files})
     contents = _cat_blobs(top, blobs)
-    found = None
-    for commit in commits:  # newest first
+    hashes = {}
+    for commit in commits:
         h = hashlib.sha256()
         for rel, blob in trees[commit]:  # Path order: the order source_hash uses
             h.update(str(rel).encode())
             h.update(contents.get(blob, b""))
-        if h.hexdigest()[:16] == digest:
+        hashes[commit] = h.hexdigest()[:16]
+    return hashes
+
+
+def commit_source_hash(commit: str) -> str | None:
+    """source_hash of the sources committed at `commit`."""
+    return _commit_hashes([commit]).get(commit)
+
+
+def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | None:
+    """The commit (of this checkout's last `max_commits`) that brought in the newest src/tpweave with this
+    source_hash: the oldest of the run of commits that have it, so commits that leave the sources alone do not
+    change the answer."""
+    if not digest:
+        return None
+    commits = (_git("rev-list", f"--max-count={max_commits}", "HEAD") or "").split()
+    hashes = _commit_hashes(commits)
+    found = None
+    for commit in commits:  # newest first
+        if hashes.get(commit) == digest:
             found = commit
         elif found is not None:
             break
