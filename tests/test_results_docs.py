@@ -1,4 +1,5 @@
-"""Numbers in the READMEs come from committed results, through the generated summary, never typed."""
+"""Numbers in the docs come from committed results, never typed: quoted with their source (tests/doc_quotes.py),
+or, in the results README's older entries, found as a whole number in the generated summary."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from tpweave.bench.results import load_results, summary
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = ROOT / "benchmarks" / "results" / "SUMMARY.md"
 QUOTING = [ROOT / "README.md", ROOT / "benchmarks" / "results" / "README.md", ROOT / "docs" / "status.md"]
-# A ratio as the summary prints it: 0.5 .. 2.0 with 2-3 decimals, not part of a version (2.13.0) or a longer number
-RATIO = re.compile(r"(?<![\d.])([0-2]\.\d{2,3})(?![\d.])")
+# Documents whose every measured number (a decimal ratio, a percentage) is quoted from its result file
+QUOTED_EXACTLY = [ROOT / "README.md", ROOT / "docs" / "status.md", ROOT / "docs" / "user_guide.md",
+                  ROOT / "docs" / "architecture.md"]  # fmt: skip
+# A ratio as the summary prints it: 0.5 .. 2.0 with 2-3 decimals, not part of a version (2.13.0) or a longer number,
+# nor a time or size (0.70 ms)
+RATIO = re.compile(r"(?<![\d.])([0-2]\.\d{2,3})(?![\d.])(?!\s*(?:ms|s|us|GB|MB|TFLOP|W|MHz)\b)")
 
 
 def _without_commit_age(text: str) -> str:
@@ -22,9 +27,13 @@ def _without_commit_age(text: str) -> str:
 
 
 def quoted_ratios_not_in(text: str, source: str) -> list[str]:
-    """Ratio-like numbers of `text` that `source` does not contain."""
-    found = [m for m in RATIO.findall(text) if 0.5 <= float(m) < 2.0]
-    return sorted({m for m in found if m not in source})
+    """Ratio-like numbers of `text` (outside quote markers, which tests/doc_quotes.py checks) that `source` does not
+    hold as a whole number ("1.10" is not in "1.101")."""
+    from doc_quotes import GOAL, QUOTE
+
+    found = [m for m in RATIO.findall(GOAL.sub("", QUOTE.sub("", text))) if 0.5 <= float(m) < 2.0]
+    held = set(RATIO.findall(source))
+    return sorted({m for m in found if m not in held})
 
 
 def test_summary_is_generated_from_the_committed_results():
@@ -50,6 +59,34 @@ def test_the_check_catches_a_typed_number():
     source = "| layer | 512 | - | 1.096 (no interval) |"
     assert quoted_ratios_not_in("auto is 1.096x faster", source) == []
     assert quoted_ratios_not_in("auto is 1.12x faster on torch 2.13.0", source) == ["1.12"]
+    assert quoted_ratios_not_in("auto is 1.09x faster", source) == ["1.09"]  # a prefix of 1.096 is not 1.096
+
+
+def test_every_measured_number_is_quoted_from_its_result():
+    from doc_quotes import quote_problems
+
+    for doc in QUOTED_EXACTLY:
+        problems = quote_problems(doc.read_text(), str(doc.relative_to(ROOT)))
+        assert not problems, "\n".join(problems)
+    # the results README: what it quotes is checked too (its older entries go through the summary)
+    readme = ROOT / "benchmarks" / "results" / "README.md"
+    problems = [p for p in quote_problems(readme.read_text(), "results README") if "tied to no result" not in p]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_planted_wrong_number_fails_the_check():
+    """A copy of the README with one quoted number changed, and with one quote's markers dropped: both fail."""
+    from doc_quotes import QUOTE, quote_problems
+
+    text = (ROOT / "README.md").read_text()
+    first = next(QUOTE.finditer(text))
+    value = first.group("text")
+    wrong = text.replace(first.group(0), first.group(0).replace(f"-->{value}<", f"-->{value[:-2]}9{value[-1]}<"), 1)
+    assert any("the source says" in p for p in quote_problems(wrong, "README copy")), value
+    bare = text.replace(first.group(0), value, 1)
+    assert any("tied to no result" in p for p in quote_problems(bare, "README copy"))
+    missing = text.replace(first.group("file"), "2026-12-04/no-such-run.json", 1)
+    assert any("cannot read the source" in p for p in quote_problems(missing, "README copy"))
 
 
 def test_sources_map_to_the_commit_that_brought_them_in():
