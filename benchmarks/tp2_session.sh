@@ -8,11 +8,15 @@
 # on the 2-GPU box, e.g.
 #   bash benchmarks/tp2_session.sh tests calibrate8b layer8b
 # Steps, in the order to run them (a protocol bug would hang calibration, so tests come first):
-#   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols), PDL + padding probe
+#   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols; SP + async TP under Inductor's
+#               CUDA graph trees and graph partition with torch's symm_mem ops; the engine's piecewise graphs at
+#               TP=2), PDL + padding probe
 #   calibrate8b calibration table for llama3-8b (every strategy per site shape and M)
 #   layer8b     per-op / per-layer arms for llama3-8b with that table
 #   latency8b   whole-model TTFT / TPOT for llama3-8b (8 layers) with the table
-#   serve8b     prefill-heavy serving, baseline vs auto, llama3-8b
+#   engine8b    the engine at TP=2: decode steps, prefill 2048 and a mixed step against their graph-replayed forwards
+#               (SP, async TP and token split inside the piecewise graphs), capture time and memory
+#   serve8b     prefill-heavy serving: baseline, auto, its A/A copy and auto without prefill graphs, llama3-8b
 #   calibrate70b, layer70b   the same for llama3-70b
 #   fp8         calibrate + latency for llama3-8b-fp8 (the 1.10x TTFT target at 8K)
 set -euo pipefail
@@ -29,7 +33,7 @@ step() {
     case $name in
         tests)
             # the emulated-rank tests (one GPU is enough for them) would not leave time for the probe
-            python -m pytest -q -m gpu tests/test_gpu_ops.py tests/test_gpu_pdl.py -k "not emulated" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
+            python -m pytest -q -m gpu tests/test_gpu_ops.py tests/test_gpu_pdl.py tests/test_compiler.py tests/test_engine.py -k "not emulated" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
             python benchmarks/probes/padding_probe.py --output-dir "$dir/padding_probe.json" 2>&1 | tee "$dir/padding_probe.log" | tail -5 ;;
         calibrate8b | calibrate70b)
             local model=llama3-${name#calibrate}
@@ -44,8 +48,11 @@ step() {
             local args=(--model llama3-8b -tp 2 --num-layers 8 --decode 1x1024,8x1024,32x1024,64x1024,128x1024 --prefill 1x2048,1x8192 --num-iters 5 --inner 3)
             echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
             tpw bench latency "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/latency.log" | tail -5 ;;
+        engine8b)
+            echo "tpweave bench engine --model llama3-8b -tp 2" >> "$dir/commands.txt"
+            tpw bench engine --model llama3-8b -tp 2 --output-dir "$dir" --overwrite 2>&1 | tee "$dir/engine.log" | tail -8 ;;
         serve8b)
-            local args=(--model llama3-8b -tp 2 --arms baseline,auto --workload azure-code --request-rate inf --num-prompts 16
+            local args=(--model llama3-8b -tp 2 --arms baseline,auto,auto_aa,prefill_eager --workload azure-code --request-rate inf --num-prompts 200
                         --max-num-seqs 64 --max-num-batched-tokens 8192 --max-model-len 8192)
             echo "tpweave bench serve ${args[*]}" >> "$dir/commands.txt"
             tpw bench serve "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/serve.log" | tail -5 ;;
