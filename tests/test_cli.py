@@ -125,18 +125,18 @@ def test_a_broken_checkpoint_is_refused_before_any_rank_starts(tmp_path):
             save_file(tensors, str(path / "model.safetensors"))
         return str(path)
 
-    cases = {
-        model_dir("garbage", raw=b"\x10\x00\x00\x00garbage"): "cannot read",
-        model_dir("truncated", {k: v for k, v in state.items() if "down_proj" not in k}): "is missing from",
-        model_dir("reshaped", {**state, "model.norm.weight": torch.ones(7)}): "has shape (7,), config.json implies",
-        model_dir("empty"): "holds no *.safetensors files",
-    }
-    for path, message in cases.items():
-        for args in (["generate", "--model", path], ["bench", "latency", "--model", path, "--prefill", "1x8"]):
-            code, out, err, seconds = tpweave(*args, "--dtype", "float32", cwd=tmp_path)
-            line = err.strip().splitlines()
-            assert code == 2 and len(line) == 1 and line[0].startswith(f"tpweave: error: --model {path}: "), err
-            assert message in line[0] and seconds < 60, (line, seconds)
+    generate, latency = ["generate"], ["bench", "latency", "--prefill", "1x8"]
+    cases = [
+        (generate, model_dir("garbage", raw=b"\x10\x00\x00\x00garbage"), "cannot read"),
+        (latency, model_dir("truncated", {k: v for k, v in state.items() if "down_proj" not in k}), "is missing from"),
+        (latency, model_dir("reshaped", {**state, "model.norm.weight": torch.ones(7)}), "has shape (7,), config.json"),
+        (generate, model_dir("empty"), "holds no *.safetensors files"),
+    ]
+    for command, path, message in cases:
+        code, out, err, seconds = tpweave(*command, "--model", path, "--dtype", "float32", cwd=tmp_path)
+        line = err.strip().splitlines()
+        assert code == 2 and len(line) == 1 and line[0].startswith(f"tpweave: error: --model {path}: "), err
+        assert message in line[0] and seconds < 60, (line, seconds)
 
 
 def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_rank_starts(tmp_path):
