@@ -23,7 +23,7 @@ GOAL = re.compile(r"<!-- (goal|set) -->[^<]*<!-- /\1 -->")
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 # what reads as a measurement: a ratio with decimals (1.017x; not "2x H200") or a percentage (75.7%), except the
 # confidence of an interval ("95% interval")
-MEASURED = re.compile(r"(?<![\w.])(?:\d+\.\d+x\b|\d+(?:\.\d+)?%(?! (?:interval|confidence|CI)))")
+MEASURED = re.compile(r"(?<![\w.])(?:\d+\.\d+x\b|\d+(?:\.\d+)?%(?!\s+(?:interval|confidence|CI)))")
 
 
 def _row(data: dict, spec: str, where: str) -> dict:
