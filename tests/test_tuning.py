@@ -312,7 +312,9 @@ def test_every_strategy_stays_in_every_graph_mode():
 def test_one_rank_plans_nothing_that_only_pays_off_with_peers():
     """At TP=1 `tpweave.compile`'s defaults are the plain TP baseline's plan: no SP graph, no token split, no fused
     all-reduce + norm kernel (it has nothing to exchange), every policy `sequential`, whatever the backend."""
+    from tpweave.bench.layer import _layer_arms
     from tpweave.compiler.options import PLAIN_TP, CompileOptions, plan
+    from tpweave.runtime.context import TPContext
     from tpweave.compiler.tp_group import TPGroup
 
     for backend in ("nccl", "gloo", "none"):
@@ -322,3 +324,8 @@ def test_one_rank_plans_nothing_that_only_pays_off_with_peers():
         assert auto.token_split_min_tokens is None
         opts = auto.variants["plain"]
         assert {opts.all_reduce_policy, opts.all_reduce_rms_norm_policy, opts.ag_mm_policy} == {"sequential"}
+    # the layer bench's auto arms are these defaults (it once forced an SP graph at TP=1)
+    _, compiled = _layer_arms(TPContext.single(), "tiny", dtype=torch.float32, num_layers=1, table=None,
+                              arms=("auto", "auto_aa", "plain_best"))  # fmt: skip
+    assert set(compiled["auto"].plan.variants) == set(compiled["auto_aa"].plan.variants) == {"plain"}
+    assert compiled["auto"].plan.variants == compiled["plain_nccl"].plan.variants

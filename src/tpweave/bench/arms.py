@@ -44,7 +44,7 @@ def plain_candidates(probe: torch.Tensor) -> dict[str, str]:
     return {arm: name for arm, name in PLAIN_ALL_REDUCES.items() if STRATEGIES[name].available(probe)}
 
 
-def arm_options(arm: str, *, table, fused: str, auto_sp: bool | None = None) -> CompileOptions:
+def arm_options(arm: str, *, table, fused: str) -> CompileOptions:
     """The compile options of an arm (compute_only: those of a plain graph of the communication-free twin)."""
     if arm in PLAIN_ALL_REDUCES:
         return PLAIN_TP.replace({"all_reduce_policy": PLAIN_ALL_REDUCES[arm], "strict": True})
@@ -54,8 +54,8 @@ def arm_options(arm: str, *, table, fused: str, auto_sp: bool | None = None) -> 
             sp=True, sp_min_tokens=0, ag_mm_policy=fused, mm_rs_policy=fused, table=None, strict=True
         ),
         "token_split": PLAIN_TP.replace({"token_split_min_tokens": TOKEN_SPLIT_MIN_TOKENS, "strict": True}),
-        "auto": CompileOptions(sp=auto_sp, table=table, strict=True),
-        "auto_aa": CompileOptions(sp=auto_sp, table=table, strict=True),
+        "auto": CompileOptions(table=table, strict=True),  # tpweave.compile's defaults
+        "auto_aa": CompileOptions(table=table, strict=True),
         "compute_only": CompileOptions(sp=False, table=None, strict=True),
     }
     return options[arm]
@@ -63,7 +63,7 @@ def arm_options(arm: str, *, table, fused: str, auto_sp: bool | None = None) -> 
 
 def compile_arms(
     module: torch.nn.Module, compute_module: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, table,
-    arms: tuple[str, ...] = ARMS, auto_sp: bool | None = None,
+    arms: tuple[str, ...] = ARMS,
 ) -> dict[str, compiler.CompiledTP]:  # fmt: skip
     """{timed arm: compiled module}; plain_best expands into its available candidates."""
     probe = torch.empty(0, device=device, dtype=dtype)
@@ -73,7 +73,7 @@ def compile_arms(
     timed = [a for arm in arms for a in (plain_candidates(probe) if arm == "plain_best" else [arm])]
     return {
         arm: compiler.compile(compute_module if arm == "compute_only" else module,
-                              options=arm_options(arm, table=table, fused=fused, auto_sp=auto_sp))
+                              options=arm_options(arm, table=table, fused=fused))
         for arm in timed
     }  # fmt: skip
 

@@ -64,7 +64,7 @@ def _layer_arms(ctx: TPContext, model: str, *, dtype: torch.dtype, num_layers: i
     no_comm = TPContext(rank=ctx.rank, world_size=ctx.world_size, group_name=None, device=ctx.device)
     compute_model = build_model(cfg, tp=no_comm, dtype=dtype)
     stack, compute_stack = LayerStack(tp_model.model.layers), LayerStack(compute_model.model.layers)
-    compiled = compile_arms(stack, compute_stack, device=ctx.device, dtype=dtype, table=table, arms=arms, auto_sp=True)
+    compiled = compile_arms(stack, compute_stack, device=ctx.device, dtype=dtype, table=table, arms=arms)
     return cfg, compiled
 
 
