@@ -314,8 +314,8 @@ def test_one_rank_plans_nothing_that_only_pays_off_with_peers():
     all-reduce + norm kernel (it has nothing to exchange), every policy `sequential`, whatever the backend."""
     from tpweave.bench.layer import _layer_arms
     from tpweave.compiler.options import PLAIN_TP, CompileOptions, plan
-    from tpweave.runtime.context import TPContext
     from tpweave.compiler.tp_group import TPGroup
+    from tpweave.runtime.context import TPContext
 
     for backend in ("nccl", "gloo", "none"):
         one = TPGroup("g" if backend != "none" else "", 0, 1, backend)
