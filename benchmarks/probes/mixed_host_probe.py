@@ -1,12 +1,15 @@
 """Where the host's time goes in a mixed step (64 decodes at context 1024 + a fresh 512-token chunk) replayed from
 the engine's piecewise graphs: the host time per call (no wait for the GPU), the same for the prefill of 2048
-tokens, then cProfile's top functions and torch.profiler's top CPU ops of the mixed step's calls.
+tokens, then cProfile's top functions and torch.profiler's top CPU ops of the mixed step's calls; then the host time
+with Python's garbage collector frozen and off, and per call of one layer's attention op (through the dispatcher and
+its Python body directly) and of the kernels' wrappers inside it, on the arguments the step gave it.
 
     python benchmarks/probes/mixed_host_probe.py [--model llama3-8b] [--num-layers 4] [--out DIR]
 """
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -20,6 +23,7 @@ from tpweave.bench.stats import median
 from tpweave.engine import LLMEngine
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.engine.sequence import Sequence
+from tpweave.ops import attention, flash_prefill, rope
 from tpweave.runtime.context import TPContext
 
 
@@ -45,6 +49,65 @@ def host_ms(fn, n: int = 10) -> list[float]:
         fn()
         out.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
+    return out
+
+
+def loop_ms(fn, n: int = 200) -> float:
+    """Host time per call of n calls back to back (the GPU not waited for)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    ms = (time.perf_counter() - t) * 1e3 / n
+    torch.cuda.synchronize()
+    return ms
+
+
+def wrapper_ms(path) -> dict[str, float]:
+    """Host time per call of the attention op (dispatched, and its Python body), and of the kernel wrappers it calls,
+    on the arguments of the first layer's call in `path()` (captured by patching the wrappers)."""
+    calls = {}
+    originals = {"rotate_qk": rope.rotate_qk, "paged_prefill": flash_prefill.paged_prefill}
+
+    def spy(name):
+        def call(*a, **k):
+            calls.setdefault(name, (a, k))
+            return originals[name](*a, **k)
+
+        return call
+
+    rope.rotate_qk, flash_prefill.paged_prefill = spy("rotate_qk"), spy("paged_prefill")
+    try:
+        path()
+    finally:
+        rope.rotate_qk, flash_prefill.paged_prefill = originals["rotate_qk"], originals["paged_prefill"]
+    (q, k, cos_sin, positions), rk = calls["rotate_qk"]
+    v, k_cache, v_cache, slots = rk["store"]
+    (_, _, _, cu, ctx, tables, block_size, scale), _ = calls["paged_prefill"]
+    args = (
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        cu,
+        ctx,
+        tables,
+        block_size,
+        scale,
+        cos_sin,
+        positions,
+        torch.tensor(False),
+    )
+    out = {
+        "op_dispatched": loop_ms(lambda: torch.ops.tpweave.paged_attention.default(*args)),
+        "op_python_body": loop_ms(lambda: attention.paged_attention._init_fn(*args)),
+    }
+    for name, (a, kw) in calls.items():
+        out[name] = loop_ms(lambda a=a, kw=kw, name=name: originals[name](*a, **kw))
+    out["empty_like"] = loop_ms(lambda: torch.empty_like(q))
     return out
 
 
@@ -100,6 +163,17 @@ def main() -> None:
         print(table)
         with open(f"{args.out}/mixed_host_torch_profile.txt", "w") as fh:
             fh.write(table)
+        gc.collect()
+        gc.freeze()
+        record["mixed gc frozen"] = {"engine_host_ms": host_ms(path, 20)}
+        gc.disable()
+        record["mixed gc off"] = {"engine_host_ms": host_ms(path, 20)}
+        gc.enable()
+        gc.unfreeze()
+        record["gc"] = {"counts": gc.get_count(), "objects": len(gc.get_objects())}
+        record["per call ms"] = wrapper_ms(path)
+        for key in ("mixed gc frozen", "mixed gc off", "gc", "per call ms"):
+            print(key, record[key], flush=True)
     print("piecewise stats", runner.pieces.stats())
     with open(f"{args.out}/mixed_host_probe.json", "w") as fh:
         json.dump(record, fh, indent=1)
