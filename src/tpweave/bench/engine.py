@@ -12,7 +12,11 @@ without graphs, the matmul roofline (its FLOPs at the median of the bf16 GEMM ra
 the run, the plateau before the power limit lowers the clocks; at the run's single highest sample beside it)
 and the datasheet's dense peak of a known GPU, and the engine's time for a one-token request of N prompt tokens.
 Mixed steps (B decodes at context C beside one fresh chunk of N tokens): the same three timings. The record has
-what the graphs cost: capture seconds, the memory the captures reserved, the graphs, the padding per step."""
+what the graphs cost: capture seconds, the memory the captures reserved, the graphs, the padding per step.
+
+Every torch.profiler use (kernel counts and kernel time) runs after every timing of the run: once the profiler has
+run, a host launch costs more for the rest of the process (one H200, a 32-layer mixed step's host time 14.9 ms before
+and 27 ms after, benchmarks/probes/mixed_host_probe.py), which would charge it to host-bound timings."""
 
 from __future__ import annotations
 
@@ -193,7 +197,10 @@ def _rewind_graph_inputs(runner, batch: int, context: int) -> list[int]:
     return ctx_lens.tolist()
 
 
-def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, hbm: float) -> list[dict]:
+def _decode_rows(
+    ctx: TPContext, engine: LLMEngine, settings: EngineBenchSettings, hbm: float, later: list
+) -> list[dict]:
+    """Decode rows; what torch.profiler measures of them appended to `later` (module doc: why after every timing)."""
     rows = []
     model, runner = engine.runner.model, engine.runner
     rng = random.Random(0)
@@ -214,7 +221,6 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
             step_ms.append((now - t) * 1e3)
             t = now
         timed_context = (first_context + seqs[0].num_tokens) / 2  # mean context of the timed steps
-        kernels_step, _, _ = count_kernels(engine.step, calls=4)
         assert all(s.finish_reason is None for s in seqs), "a sequence ended while its steps were timed"
         while engine.has_unfinished():
             engine.step()
@@ -230,12 +236,11 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
             "step_ms": median(step_ms),
             "step_ms_p90": float(np.percentile(step_ms, 90)),
             "step_ms_samples": step_ms,
-            "kernels_per_step": kernels_step,
         }
+        later.append(lambda row=row, batch=batch: row.update(kernels_per_step=_step_kernels(engine, batch, settings)))
         if graph is not None:
             fwd_ms = _event_ms(lambda: [graph.replay() for _ in range(REPLAYS_PER_SAMPLE)], reps=settings.replays)
             fwd_ms = [t / REPLAYS_PER_SAMPLE for t in fwd_ms]
-            kernels_fwd, names, kind_ms = count_kernels(graph.replay, calls=2)
             roofline = (model_bytes(model) + kv_bytes(model, context_lens)) / hbm * 1e3
             row |= {
                 "graph_bucket": buckets[0],
@@ -245,12 +250,31 @@ def _decode_rows(ctx: TPContext, engine: LLMEngine, settings: EngineBenchSetting
                 "step_over_forward": median(step_ms) / median(fwd_ms),
                 "roofline_ms": roofline,
                 "of_roofline": roofline / median(fwd_ms),
-                "kernels_per_forward": kernels_fwd,
-                **{f"{kind}_ms": v for kind, v in kind_ms.items()},
-                "forward_kernels": names,
             }
+
+            def graph_kernels(row=row, batch=batch, graph=graph, context=timed_context):
+                _rewind_graph_inputs(runner, batch, round(context))
+                kernels_fwd, names, kind_ms = count_kernels(graph.replay, calls=2)
+                row.update(kernels_per_forward=kernels_fwd, **{f"{k}_ms": v for k, v in kind_ms.items()},
+                           forward_kernels=names)  # fmt: skip
+
+            later.append(graph_kernels)
         rows.append(row)
     return rows
+
+
+def _step_kernels(engine: LLMEngine, batch: int, settings: EngineBenchSettings) -> float:
+    """Kernels per engine step of `batch` sequences decoding at settings.context (torch.profiler over 4 steps)."""
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=16)
+    for _ in range(batch):
+        _decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(settings.context)], params)
+    for _ in range(2):
+        engine.step()
+    kernels, _, _ = count_kernels(engine.step, calls=4)
+    while engine.has_unfinished():
+        engine.step()
+    return kernels
 
 
 def _peak_bytes(fn) -> int:
@@ -264,11 +288,12 @@ def _peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) -> tuple[dict[str, Any], list]:
+def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) -> tuple[dict[str, Any], list, Any]:
     """One step's forward (args: `runner._inputs` of the step, padded as the engine pads it), interleaved per
     repetition: as the engine runs it (its piecewise graphs replayed; back to back and one call from an idle GPU),
     the whole forward in one CUDA graph replayed back to back, and the compiled forward without graphs (one call).
-    `sample()` runs once per repetition (the matmul rate between samples). (row fields, sample()'s results)"""
+    `sample()` runs once per repetition (the matmul rate between samples). (row fields, sample()'s results, a callable
+    giving the kernel fields: torch.profiler, to run after every timing of the run)"""
 
     def eager():
         return runner.forward(*args)
@@ -314,12 +339,15 @@ def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) ->
         host.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
     row["host_ms"] = median(host)
-    _, _, graph_kind_ms = count_kernels(graph_replay, calls=2)
-    row["graph_kernel_ms"] = sum(graph_kind_ms.values())
-    _, names, kind_ms = count_kernels(engine_path, calls=2)
-    row["kernel_ms"] = sum(kind_ms.values())
-    row |= {**{f"{kind}_ms": v for kind, v in kind_ms.items()}, "forward_kernels": names}
-    return row, samples
+
+    def kernels() -> dict[str, Any]:
+        with torch.no_grad():
+            _, _, graph_kind_ms = count_kernels(graph_replay, calls=2)
+            _, names, kind_ms = count_kernels(engine_path, calls=2)
+        return {"graph_kernel_ms": sum(graph_kind_ms.values()), "kernel_ms": sum(kind_ms.values()),
+                **{f"{kind}_ms": v for kind, v in kind_ms.items()}, "forward_kernels": names}  # fmt: skip
+
+    return row, samples, kernels
 
 
 def _padding(runner, num_tokens: int) -> int:
@@ -327,7 +355,7 @@ def _padding(runner, num_tokens: int) -> int:
     return bucket_for(runner.prefill_buckets, num_tokens) or num_tokens if runner.pieces is not None else num_tokens
 
 
-def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: list[float]) -> list[dict]:
+def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: list[float], later: list) -> list[dict]:
     rows = []
     matmul = MatmulRate(ctx.device, engine.runner.dtype)
     runner, model = engine.runner, engine.runner.model
@@ -342,7 +370,7 @@ def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: l
         # the matmul rate sampled between the forward's samples too: under this sustained load the GPU's power limit
         # lowers its clocks (an H200 measured 628-697 TFLOP/s here against 793 from cold)
         with torch.no_grad():  # as the engine runs it (grad mode is part of the compiled graph's guards)
-            timing, peaks = _step_timings(
+            timing, peaks, kernels = _step_timings(
                 runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5), sample=matmul.rate
             )
         engine.scheduler.blocks.free(seq)
@@ -377,10 +405,11 @@ def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: l
             "datasheet_flops_per_s": datasheet[0] if datasheet else None,
             "of_datasheet_peak": flops / datasheet[0] * 1e3 / fwd if datasheet else None,
         })  # fmt: skip
+        later.append(lambda row=rows[-1], kernels=kernels: row.update(kernels()))
     return rows
 
 
-def _mixed_rows(engine: LLMEngine, settings: EngineBenchSettings) -> list[dict]:
+def _mixed_rows(engine: LLMEngine, settings: EngineBenchSettings, later: list) -> list[dict]:
     """One step of B decodes at context C beside a fresh chunk of N tokens (contents of the cached context not
     computed: a step costs the same whatever its values)."""
     rows = []
@@ -399,11 +428,14 @@ def _mixed_rows(engine: LLMEngine, settings: EngineBenchSettings) -> list[dict]:
         padded = _padding(runner, num_tokens)
         args = runner._inputs(chunks, pad_to=padded)
         with torch.no_grad():
-            timing, _ = _step_timings(runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5))
+            timing, _, kernels = _step_timings(
+                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5)
+            )
         for c in chunks:
             engine.scheduler.blocks.free(c.seq)
         rows.append({"what": "engine_mixed", "decodes": decodes, "context": context, "chunk": chunk,
                      "tokens": num_tokens, "padded_to": padded, **timing})  # fmt: skip
+        later.append(lambda row=rows[-1], kernels=kernels: row.update(kernels()))
     return rows
 
 
@@ -436,8 +468,12 @@ def bench_engine(
     dev = ctx.device
     hbm, hbm_source = hbm_bandwidth(dev)
     cold = MatmulRate(dev, dtype).samples(20)
-    rows = _decode_rows(ctx, engine, settings, hbm) + _prefill_rows(ctx, engine, settings, cold)
-    rows += _mixed_rows(engine, settings)
+    later: list = []  # torch.profiler's measurements, after every timing (module doc)
+    rows = _decode_rows(ctx, engine, settings, hbm, later) + _prefill_rows(ctx, engine, settings, cold, later)
+    rows += _mixed_rows(engine, settings, later)
+    progress("kernel counts and times (torch.profiler) of %d measurements", len(later))
+    for measure in later:
+        measure()
     report = getattr(engine.runner.forward, "compile_report", None)
     runner = engine.runner
     steps = runner.step_stats
