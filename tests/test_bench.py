@@ -314,6 +314,32 @@ def test_paired_intervals_and_the_aa_flag():
         paired_ratio([1.0], [1.0, 2.0])
 
 
+def test_the_aa_control_is_the_yardstick_of_small_significant_ratios():
+    """A ratio whose interval excludes 1.0 but which lies within the A/A half-width is not a loss (nor a win): its
+    verdict and table text say so; a loss larger than the A/A spread stays "slower"."""
+    from tpweave.bench.arms import arm_rows
+    from tpweave.bench.results import _fmt
+    from tpweave.bench.stats import AA_NOISE
+    from tpweave.bench.timing import ArmTiming
+
+    rng = np.random.default_rng(0)
+    base = 1.0 + rng.normal(0, 1e-4, 60)
+    timings = {
+        "plain_nccl": ArmTiming(list(base)),
+        "auto": ArmTiming(list(base * 1.001 + rng.normal(0, 1e-5, 60))),  # 0.1% slower, tightly
+        "auto_aa": ArmTiming(list(base * (1 + rng.normal(0, 4e-3, 60)))),  # two captures differ by ~0.4%
+        "sp_seq": ArmTiming(list(base * 1.03)),  # 3% slower
+    }
+    rows = {r["arm"]: r for r in arm_rows(timings, key={"tokens": 1})}
+    auto, sp = rows["auto"]["vs_plain_best"], rows["sp_seq"]["vs_plain_best"]
+    assert auto["hi"] < 1.0 and auto["verdict"] == AA_NOISE and _fmt(auto).endswith("n.s. (A/A)")
+    assert abs(auto["ratio"] - 1) <= rows["auto"]["aa"]["half_width"]
+    assert sp["verdict"] == "slower" and not _fmt(sp).endswith("n.s.")
+    del timings["auto_aa"]  # without the control nothing is reclassified
+    rows = {r["arm"]: r for r in arm_rows(timings, key={"tokens": 1})}
+    assert rows["auto"]["vs_plain_best"]["verdict"] == "slower"
+
+
 def test_timing_shuffles_arms_per_repetition_with_a_recorded_seed():
     calls = []
     arms = {name: (lambda name=name: calls.append(name)) for name in "abcd"}

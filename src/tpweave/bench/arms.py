@@ -26,7 +26,7 @@ import torch
 
 from tpweave import compiler
 from tpweave.bench.kernels import expected_comm, profile_kernels, prove
-from tpweave.bench.stats import aa_check, median, paired_ratio
+from tpweave.bench.stats import aa_check, median, paired_ratio, within_aa_noise
 from tpweave.compiler import PLAIN_TP, CompileOptions
 from tpweave.ops.strategies import STRATEGIES
 
@@ -107,7 +107,15 @@ def arm_rows(timings, *, scale: float = 1.0, key: dict[str, Any], seed: int = 0)
         if arm == "auto" and "auto_aa" in samples:
             row["aa"] = aa_check(samples["auto"], samples["auto_aa"], seed=seed, groups=groups)
         rows.append(row)
+    _within_aa_noise(rows)
     return rows
+
+
+def _within_aa_noise(rows: list[dict[str, Any]]) -> None:
+    """Every row of one M measured against that M's A/A control (bench/stats.py, within_aa_noise)."""
+    aa = next((r["aa"] for r in rows if "aa" in r), None)
+    for row in rows:
+        within_aa_noise(row, aa)
 
 
 def prove_arms(

@@ -14,9 +14,9 @@ and the datasheet's dense peak of a known GPU, and the engine's time for a one-t
 Mixed steps (B decodes at context C beside one fresh chunk of N tokens): the same three timings. The record has
 what the graphs cost: capture seconds, the memory the captures reserved, the graphs, the padding per step.
 
-Every torch.profiler use (kernel counts and kernel time) runs after every timing of the run: once the profiler has
-run, a host launch costs more for the rest of the process (one H200, a 32-layer mixed step's host time 14.9 ms before
-and 27 ms after, benchmarks/probes/mixed_host_probe.py), which would charge it to host-bound timings."""
+Every torch.profiler use (kernel counts and kernel time) runs after every timing of the run, so no timing runs in a
+process the profiler has touched (one H200, benchmarks/probes/mixed_host_probe.py: a 32-layer mixed step's host time
+was 14.9 ms before cProfile and torch.profiler ran in the process and 27 ms after; which of them, not isolated)."""
 
 from __future__ import annotations
 

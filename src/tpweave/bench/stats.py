@@ -18,6 +18,8 @@ import numpy as np
 
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 4000
+# the verdict of a significant ratio inside the A/A control's spread (bench/arms.py): no difference the run resolves
+AA_NOISE = "within the A/A control's noise"
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,18 @@ def aa_check(first_ms: list[float], second_ms: list[float], *, seed: int = 0, gr
     the harness is then larger than the gains it can resolve)."""
     r = paired_ratio(first_ms, second_ms, seed=seed, groups=groups)
     return {**r.to_dict(), "flagged": r.significant, "half_width": (r.hi - r.lo) / 2}
+
+
+def within_aa_noise(row: dict, aa: dict | None) -> None:
+    """The A/A control as the yardstick: in `row`, a significant vs_plain_best / vs_plain_nccl ratio no further from
+    1.0 than the A/A interval's half-width (two captures of one arm differ that much) gets the verdict AA_NOISE
+    instead of faster / slower. Nothing without a control."""
+    if aa is None:
+        return
+    for base in ("plain_best", "plain_nccl"):
+        v = row.get(f"vs_{base}")
+        if v and v.get("verdict") in ("faster", "slower") and abs(v["ratio"] - 1.0) <= aa["half_width"]:
+            v["verdict"] = AA_NOISE
 
 
 def median(samples: list[float]) -> float:
