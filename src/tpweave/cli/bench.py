@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from tpweave.bench.provenance import GpuSampler
-from tpweave.cli.common import cached_table, model_config, rank_options, weights_label
+from tpweave.cli.common import cached_table, check_invariant, model_config, rank_options, weights_label
 from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
 from tpweave.cli.output import results_dir
 from tpweave.cli.ranks import run_ranks
@@ -325,6 +325,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         raise CLIError(f"--context {args.context} must exceed --num-iters + --num-iters-warmup + 2 (the steps timed)")
     if not torch.cuda.is_available():
         raise CLIError("bench engine measures against the GPU's roofline: it needs a CUDA GPU (none found)")
+    check_invariant(args)
     opts = rank_options(args)
     out, name = _out(args, f"engine-{Path(args.model).name}-tp{args.tp}-{args.dtype}")
     settings = EngineBenchSettings(
@@ -332,7 +333,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         warmup_steps=args.num_iters_warmup,
     )  # fmt: skip
     engine_kwargs = {"cuda_graphs": not args.enforce_eager, "compile_model": not args.no_compile,
-                     "async_scheduling": not args.sync_scheduling}  # fmt: skip
+                     "async_scheduling": not args.sync_scheduling, "invariant": args.invariant}  # fmt: skip
     gpus_start = gpu_state()
     worker_args = (args.model, args.dtype, args.num_layers, settings, engine_kwargs)
     with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:

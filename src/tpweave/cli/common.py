@@ -124,3 +124,13 @@ def cached_table(model: str, tp: int, dtype_name: str):
     from tpweave.tuning.table import load_table, table_key
 
     return load_table(table_key(resolve_config(model), tp=tp, dtype=DTYPES[dtype_name]))
+
+
+def check_invariant(args) -> None:
+    """--invariant's limits, before any rank starts: one rank, the compiled model."""
+    if getattr(args, "invariant", None) is None:
+        return
+    if args.tp > 1:
+        raise CLIError(f"--invariant {args.invariant} runs at -tp 1 so far, got -tp {args.tp}")
+    if args.no_compile:
+        raise CLIError(f"--invariant {args.invariant} needs the compiled model: drop --no-compile")

@@ -6,7 +6,7 @@ import argparse
 import random
 from pathlib import Path
 
-from tpweave.cli.common import model_config, rank_options
+from tpweave.cli.common import check_invariant, model_config, rank_options
 from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
 from tpweave.cli.ranks import run_ranks
 from tpweave.log import progress
@@ -68,6 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+    check_invariant(args)
     tok = _tokenizer(args.model)
     prompts = _prompts(args, cfg.vocab_size, tok)
     engine_kwargs = {
@@ -79,6 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "baseline": args.baseline,
         "cuda_graphs": not args.enforce_eager,
+        "invariant": args.invariant,
     }
     if args.num_layers:
         engine_kwargs["num_layers"] = args.num_layers

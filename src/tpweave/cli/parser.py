@@ -164,6 +164,16 @@ def _timing(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _invariant(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--invariant",
+        choices=("batch",),
+        default=None,
+        help="batch: each request's tokens bitwise the same whatever other requests share its steps (one rank; "
+        "docs/user_guide.md, Batch invariance)",
+    )
+
+
 def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output-dir",
@@ -238,6 +248,7 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
         help="no CUDA graphs (neither the decode graphs nor the piecewise prefill graphs)",
     )
     gen.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
+    _invariant(gen)
     gen.set_defaults(fn=commands["generate"])
 
     bench = command("bench", "benchmarks: layer, latency, serve, engine")
@@ -338,6 +349,7 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     )
     eng.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
     eng.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before planning the next")
+    _invariant(eng)
     _output(eng)
     eng.set_defaults(fn=commands["bench engine"])
 

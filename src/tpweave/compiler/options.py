@@ -31,6 +31,9 @@ DEFAULT_OVERLAP_POLICY = "sequential@0,symm_mem_fused@2048"
 DEFAULT_AR_NORM_POLICY = "triton_ar_norm"
 
 
+INVARIANT_LEVELS = (None, "batch", "tp")  # CompileOptions.invariant
+
+
 @dataclass(frozen=True, kw_only=True)
 class CompileOptions:
     """How `tpweave.compile` rewrites and compiles a TP module. None means "decide from the group, the
@@ -70,6 +73,9 @@ class CompileOptions:
     piecewise_graphs: PiecewiseGraphs | None = None
     num_tokens_fn: Callable[[tuple], int] | None = None  # M from the call's arguments
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
+    # "batch": each token's results bitwise the same whatever other tokens share the call (compiler/invariant.py);
+    # None: off. One rank only so far: the collectives' fixed-order reductions are not built yet.
+    invariant: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("async_tp", "cudagraphs", "piecewise", "strict", "decode_gemv", "norm_gemv", "realize_residuals"):
@@ -102,6 +108,12 @@ class CompileOptions:
                     check_policy(policy)
                 except ValueError as e:
                     raise ValueError(f"option {name}: {e}") from None
+        if self.invariant not in INVARIANT_LEVELS:
+            raise ValueError(f"option invariant must be one of {INVARIANT_LEVELS}, got {self.invariant!r}")
+        if self.invariant == "tp":
+            raise ValueError(
+                "option invariant='tp' (the same results at every TP degree) is not built yet: use 'batch' (one rank)"
+            )
         if self.piecewise_graphs is not None:
             if not isinstance(self.piecewise_graphs, PiecewiseGraphs):
                 raise TypeError(
@@ -160,6 +172,7 @@ class PassOptions:
     token_split_sms: int = 0  # > 0: their all-reduce + norm fused on a side stream on this many SMs
     decode_gemv: bool = False  # linear layers through tpweave::linear (compiler/decode_gemv.py), after the passes
     norm_gemv: bool = False  # ... and residual add + RMSNorm + linear through tpweave::rms_norm_linear
+    invariant: str | None = None  # "batch": matmuls and attention as batch-invariant kernels (compiler/invariant.py)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -232,12 +245,20 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     common = dict(site_policies=site_policies)
     # not the SP graph: it serves M in the thousands
-    gemv = dict(decode_gemv=options.decode_gemv, norm_gemv=options.norm_gemv)
+    if options.invariant is not None and tp.world_size > 1:
+        raise ValueError(
+            f"option invariant={options.invariant!r} runs on one rank so far (this group has {tp.world_size}): the "
+            "collectives' fixed-order reductions are not built yet"
+        )
+    # invariant: the decode GEMV is another kernel at one row than above it, so it stays off
+    gemv = dict(decode_gemv=options.decode_gemv and options.invariant is None,
+                norm_gemv=options.norm_gemv and options.invariant is None, invariant=options.invariant)  # fmt: skip
     variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
                                      all_reduce_rms_norm_policy=ar_norm, **common, **gemv)}  # fmt: skip
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
         variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=options.ag_mm_policy,
-                                     mm_rs_policy=options.mm_rs_policy, **common)  # fmt: skip
+                                     mm_rs_policy=options.mm_rs_policy, invariant=options.invariant,
+                                     **common)  # fmt: skip
     split_min = options.token_split_min_tokens
     if split_min is None and table is not None:
         split_min = table.token_split_min_tokens

@@ -46,6 +46,8 @@ class GraphReport:
     linears: int = 0
     gated_linears: int = 0
     norm_linears: int = 0  # ... and of them, how many also take the residual add + RMSNorm before them
+    # invariant="batch" (compiler/invariant.py): {"swapped": {op: count}, "not_invariant": {op: count}}; None when off
+    invariant: dict | None = None
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
         """Record what became of the collective at `node` (shape, dtype and bytes per token row read from its fake
@@ -81,6 +83,7 @@ class GraphReport:
             "linears": self.linears,
             "gated_linears": self.gated_linears,
             "norm_linears": self.norm_linears,
+            "invariant": self.invariant,
         }
 
     def __str__(self) -> str:
@@ -94,6 +97,9 @@ class GraphReport:
                 f"  decode GEMV: {self.linears} linear layers ({self.gated_linears} reading silu(gate) * up, "
                 f"{self.norm_linears} taking the residual add + RMSNorm before them)"
             )
+        if self.invariant is not None:
+            swapped = ", ".join(f"{op} x{c}" for op, c in sorted(self.invariant["swapped"].items())) or "nothing"
+            lines.append(f"  batch-invariant kernels swapped in for: {swapped}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -21,7 +21,15 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from tpweave.compiler import allreduce, allreduce_norm, async_tp, decode_gemv, sequence_parallel, token_split
+from tpweave.compiler import (
+    allreduce,
+    allreduce_norm,
+    async_tp,
+    decode_gemv,
+    invariant,
+    sequence_parallel,
+    token_split,
+)
 from tpweave.compiler.graph_utils import count_collectives, dispatched_ops
 from tpweave.compiler.options import CompilePlan, PassOptions
 from tpweave.compiler.piecewise import PiecewiseGraphs
@@ -38,8 +46,8 @@ class PassFailure(RuntimeError):
 class TPWeavePass(CustomGraphPass):
     """The post-grad pass object; uuid() covers our sources and options so Inductor caches stay correct."""
 
-    def __init__(self, tp: TPGroup, options: PassOptions, report: GraphReport):
-        self.tp, self.options, self.report = tp, options, report
+    def __init__(self, tp: TPGroup, options: PassOptions, report: GraphReport, *, strict: bool = False):
+        self.tp, self.options, self.report, self.strict = tp, options, report, strict
         self.error: Exception | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -76,6 +84,8 @@ class TPWeavePass(CustomGraphPass):
             allreduce.route_all_reduces(graph, self.tp, policy_for=policy_for, report=report)
         if self.options.decode_gemv:
             decode_gemv.route_linears(graph, report=report, norms=self.options.norm_gemv)
+        if self.options.invariant is not None:
+            invariant.make_batch_invariant(graph, report=report, strict=self.strict)
         graph.lint()
         report.counts_after = count_collectives(graph)
         report.dispatched = dispatched_ops(graph)
@@ -83,7 +93,7 @@ class TPWeavePass(CustomGraphPass):
     def uuid(self) -> bytes:
         """A hash of the passes' sources and of this pass's options (Inductor's cache key)."""
         h = hashlib.sha256()
-        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm, token_split, decode_gemv, gemv):
+        for mod in (sequence_parallel, async_tp, allreduce, allreduce_norm, token_split, decode_gemv, gemv, invariant):
             h.update(inspect.getsource(mod).encode())
         h.update(repr((dataclasses.asdict(self.tp), dataclasses.asdict(self.options))).encode())
         return h.digest()
@@ -104,7 +114,7 @@ class TPBackend:
         self.report.num_compiles += 1
         graph_report = GraphReport(self.variant)
         self.report.graphs.append(graph_report)
-        tp_pass = TPWeavePass(self.tp, self.options, graph_report)
+        tp_pass = TPWeavePass(self.tp, self.options, graph_report, strict=self.strict)
         try:
             return self._compile(gm, example_inputs, tp_pass)
         except Exception as e:  # any failure: fall back, never crash

@@ -89,6 +89,8 @@ class ModelRunner:
         if config.compile_model:
             # baseline: the plain TP graph (the model's NCCL all-reduces) for A/B runs
             options = PLAIN_TP if config.baseline else CompileOptions()
+            if config.invariant is not None:
+                options = options.replace({"invariant": config.invariant})
             if graphs and config.piecewise_graphs:
                 model = self.model
                 self.pieces = PiecewiseGraphs(

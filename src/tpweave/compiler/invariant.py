@@ -1,0 +1,87 @@
+"""Batch invariance (CompileOptions(invariant="batch")): the graph's matmuls and attention ops swapped for the
+batch-invariant ones (ops/invariant.py), so each token's logits do not depend on the other tokens of its step.
+
+Before:                                         After:
+    y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]))
+    y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
+    o = tpweave.attention(q, k, v, cu, s)           o = tpweave.invariant_attention(q, k, v, cu, s)
+    auto_functionalized_v2(                         auto_functionalized_v2(
+        tpweave.paged_attention, ...)                   tpweave.invariant_paged_attention, ...)
+
+The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
+every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is. Ops that reduce
+across rows or pick kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA, a fused FP8
+matmul, a collective at TP >= 2) are listed in the report as not invariant; with strict=True they raise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from tpweave.compiler.report import GraphReport
+from tpweave.ops import invariant as _invariant_ops  # noqa: F401  (registers the invariant ops)
+
+aten = torch.ops.aten
+tpw = torch.ops.tpweave
+AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+
+SWAPS = {
+    aten.mm.default: tpw.invariant_mm.default,
+    tpw.attention.default: tpw.invariant_attention.default,
+}
+MUTABLE_SWAPS = {tpw.paged_attention.default: tpw.invariant_paged_attention.default}
+# ops whose result for a row may depend on the other rows of the call, that this pass cannot swap
+NOT_INVARIANT = {
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.mv.default,
+    aten._scaled_mm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+class NotInvariant(RuntimeError):
+    """A graph compiled with invariant="batch" and strict=True holds an op the pass cannot make invariant."""
+
+
+def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool) -> None:
+    """Swap the graph's matmuls and attention ops for the invariant ones (module doc), in place; what was swapped and
+    what could not be goes into the report."""
+    swapped: dict[str, int] = {}
+    left: dict[str, int] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target in SWAPS:
+            node.target = SWAPS[target]
+        elif target is aten.addmm.default:
+            bias, a, b = node.args[:3]
+            beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+            node.target = tpw.invariant_addmm.default
+            node.args, node.kwargs = (bias, a, b, float(beta), float(alpha)), {}
+        elif target in AUTO_FUNCTIONALIZED and node.args and node.args[0] in MUTABLE_SWAPS:
+            target = node.args[0]
+            node.args = (MUTABLE_SWAPS[target], *node.args[1:])
+        elif target in NOT_INVARIANT or _is_collective(target):
+            name = str(target)
+            left[name] = left.get(name, 0) + 1
+            continue
+        else:
+            continue
+        swapped[str(target)] = swapped.get(str(target), 0) + 1
+    report.invariant = {"swapped": swapped, "not_invariant": left}
+    if left:
+        msg = "not batch-invariant: " + ", ".join(f"{n} x{c}" for n, c in sorted(left.items()))
+        if strict:
+            raise NotInvariant(msg)
+        report.notes.append(msg)
+
+
+def _is_collective(target) -> bool:
+    name = str(target)
+    return name.startswith(("_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter", "tpweave.dispatched"))

@@ -1,0 +1,171 @@
+"""Batch-invariant kernels: each row's result depends on that row's inputs alone, never on how many other rows share
+the call or where the row sits among them (CompileOptions(invariant="batch"), compiler/invariant.py swaps them in).
+
+A matmul's result for a row depends on the kernel the library picks, and libraries pick by shape (M rows: a GEMV at
+one row, other tilings and K splits at others). Here every matmul runs on row tiles of a fixed shape:
+
+    invariant_mm(a (M, K), b (K, N)):   a padded to whole tiles of ROW_TILE rows, one (ROW_TILE, K) @ (K, N) per tile
+
+so each row always meets the same kernel, with the same reduction order over K.
+
+Attention: one query's output is computed the same way whether it is one of many new tokens (prefill, a chunk) or
+the only one (decode): its sequence's keys in chunks of KV_CHUNK positions, in order, each chunk's scores and
+values through fixed-shape batched matmuls (heads x ROW_TILE queries x KV_CHUNK keys), an online softmax in fp32
+merged chunk by chunk. A chunk wholly past a query's position adds exact zeros (its running max and sums unchanged),
+so how many chunks its tile walks does not change it. The paged form writes the new K/V into the page pool first and
+always reads the context from the pool, so a prefill and a later decode read the same stored values.
+
+These are the CPU path, and a correct but unoptimized path on CUDA (one launch per tile).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from tpweave.ops import rope
+
+ROW_TILE = 16  # rows per matmul call
+KV_CHUNK = 64  # key positions per attention step
+
+
+def _tiles(a: Tensor) -> tuple[Tensor, int]:
+    """a (M, K) padded with zero rows to whole tiles, and M."""
+    m = a.shape[0]
+    pad = -m % ROW_TILE
+    return (torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a), m
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    padded, m = _tiles(a.contiguous())
+    out = a.new_empty(padded.shape[0], b.shape[1])
+    for start in range(0, padded.shape[0], ROW_TILE):
+        torch.mm(padded[start : start + ROW_TILE], b, out=out[start : start + ROW_TILE])
+    return out[:m]
+
+
+@torch.library.custom_op("tpweave::invariant_mm", mutates_args=())
+def invariant_mm(a: Tensor, b: Tensor) -> Tensor:
+    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc)."""
+    return _mm(a, b)
+
+
+@invariant_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("tpweave::invariant_addmm", mutates_args=())
+def invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * bias + alpha * (a @ b), the product as invariant_mm's (elementwise after it: row-invariant)."""
+    out = _mm(a, b)
+    if alpha != 1.0:
+        out = out * alpha
+    return out + (bias if beta == 1.0 else beta * bias)
+
+
+@invariant_addmm.register_fake
+def _(bias, a, b, beta=1.0, alpha=1.0):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _attend(q_nHD: Tensor, pos_n: Tensor, k_LKD: Tensor, v_LKD: Tensor, scale: float) -> Tensor:
+    """Queries q (n, H, D) at positions pos (n,) over keys/values (L, K, D) at positions 0..L-1 (a query sees keys
+    up to its own position), in q's dtype (module doc: the order of every reduction)."""
+    n, num_heads, head_dim = q_nHD.shape
+    group = num_heads // k_LKD.shape[1]
+    length = k_LKD.shape[0]
+    chunks = math.ceil(length / KV_CHUNK)
+    pad_l = chunks * KV_CHUNK - length
+    k = k_LKD.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+    v = v_LKD.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    if pad_l:
+        k = torch.cat([k, k.new_zeros(num_heads, pad_l, head_dim)], dim=1)
+        v = torch.cat([v, v.new_zeros(num_heads, pad_l, head_dim)], dim=1)
+    out = q_nHD.new_empty(q_nHD.shape)
+    keys = torch.arange(KV_CHUNK, device=q_nHD.device)
+    for start in range(0, n, ROW_TILE):
+        rows = min(ROW_TILE, n - start)
+        q = q_nHD.new_zeros(ROW_TILE, num_heads, head_dim, dtype=torch.float32)
+        q[:rows] = q_nHD[start : start + rows].float()
+        q = q.transpose(0, 1)  # (H, T, D)
+        pos = torch.zeros(ROW_TILE, dtype=torch.long, device=q.device)  # padding rows see key 0 only
+        pos[:rows] = pos_n[start : start + rows]
+        m_i = q.new_full((num_heads, ROW_TILE), float("-inf"))
+        l_i = q.new_zeros(num_heads, ROW_TILE)
+        acc = q.new_zeros(num_heads, ROW_TILE, head_dim)
+        for c in range(math.ceil((int(pos.max()) + 1) / KV_CHUNK)):
+            kc, vc = k[:, c * KV_CHUNK : (c + 1) * KV_CHUNK], v[:, c * KV_CHUNK : (c + 1) * KV_CHUNK]
+            s = torch.bmm(q, kc.transpose(1, 2)) * scale  # (H, T, C)
+            s = s.masked_fill((c * KV_CHUNK + keys)[None, :] > pos[:, None], float("-inf"))
+            m_new = torch.maximum(m_i, s.amax(-1))
+            alpha = torch.exp(m_i - m_new)
+            p = torch.exp(s - m_new[..., None])
+            l_i = l_i * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.bmm(p, vc)
+            m_i = m_new
+        out[start : start + rows] = (acc / l_i[..., None]).transpose(0, 1)[:rows].to(out.dtype)
+    return out
+
+
+@torch.library.custom_op("tpweave::invariant_attention", mutates_args=())
+def invariant_attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """tpweave::attention's contract (ops/attention.py), batch-invariant (module doc)."""
+    out = q_MHD.new_empty(q_MHD.shape)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            pos = torch.arange(end - start, device=q_MHD.device)
+            out[start:end] = _attend(q_MHD[start:end], pos, k_MKD[start:end], v_MKD[start:end], scale)
+    return out
+
+
+@invariant_attention.register_fake
+def _(q_MHD, k_MKD, v_MKD, cu_seqlens, scale):
+    return q_MHD.new_empty(q_MHD.shape)
+
+
+@torch.library.custom_op("tpweave::invariant_paged_attention", mutates_args=("k_cache", "v_cache"))
+def invariant_paged_attention(
+    q_MHD: Tensor,
+    k_MKD: Tensor,
+    v_MKD: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    cu_seqlens_q: Tensor,
+    context_lens: Tensor,
+    block_tables: Tensor,
+    block_size: int,
+    scale: float,
+    cos_sin: Tensor | None = None,
+    positions: Tensor | None = None,
+    fresh: Tensor | None = None,
+) -> Tensor:
+    """tpweave::paged_attention's contract (ops/attention.py), batch-invariant: the new K/V written to the pool, then
+    every sequence's queries over its context read from the pool (`fresh` is not used: a prefill reads what a later
+    decode of the same sequence will read)."""
+    if cos_sin is not None:
+        q_MHD, k_MKD = rope.rotate(q_MHD, cos_sin, positions), rope.rotate(k_MKD, cos_sin, positions)
+    k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+    out = q_MHD.new_empty(q_MHD.shape)
+    bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end == start:
+            continue
+        num_q, num_kv = end - start, lens[b]
+        ctx = torch.arange(num_kv, device=q_MHD.device)
+        slots = block_tables[b, ctx // block_size].long() * block_size + ctx % block_size
+        pos = torch.arange(num_kv - num_q, num_kv, device=q_MHD.device)
+        out[start:end] = _attend(q_MHD[start:end], pos, k_cache[slots].to(q_MHD.dtype),
+                                 v_cache[slots].to(q_MHD.dtype), scale)  # fmt: skip
+    return out
+
+
+@invariant_paged_attention.register_fake
+def _(q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables, block_size, scale,
+      cos_sin=None, positions=None, fresh=None):  # fmt: skip
+    return q_MHD.new_empty(q_MHD.shape)

@@ -1,0 +1,186 @@
+"""Batch invariance on CPU (CompileOptions(invariant="batch"), ops/invariant.py, compiler/invariant.py): a token's
+logits bitwise the same whatever else shares its call, through the kernels, the compiled model and the engine
+(chunked prefill, mixed steps, padding, preemption)."""
+
+import random
+
+import pytest
+import torch
+
+import tpweave
+from tpweave import compiler
+from tpweave.compiler import CompileOptions
+from tpweave.models import build_model
+from tpweave.runtime.context import TPContext
+
+# dimensions at which torch's own fp32 CPU matmul gives a row different bits at different M
+WIDE = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
+
+
+def _packed(seqs):
+    ids = torch.cat(seqs)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, pos, cu
+
+
+def test_invariant_matmul_gives_a_row_the_same_bits_at_every_m_and_place():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(512, 1536, generator=g).to(dtype)
+        x = torch.randn(1000, 512, generator=g).to(dtype)
+        bias = torch.randn(1536, generator=g).to(dtype)
+        row = x[7:8]
+        alone = torch.ops.tpweave.invariant_mm(row, w)
+        alone_b = torch.ops.tpweave.invariant_addmm(bias, row, w)
+        for m in (8, 9, 16, 17, 129, 1000):
+            assert torch.equal(torch.ops.tpweave.invariant_mm(x[:m], w)[7:8], alone), (dtype, m)
+            assert torch.equal(torch.ops.tpweave.invariant_addmm(bias, x[:m], w)[7:8], alone_b), (dtype, m)
+        shifted = torch.cat([x[:3], row, x[100:400]])  # the row at another place in its tile
+        assert torch.equal(torch.ops.tpweave.invariant_mm(shifted, w)[3:4], alone)
+        assert torch.allclose(alone.float(), (row @ w).float(), rtol=1e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_is_the_same_in_prefill_chunks_decode_and_packing(dtype):
+    """Each query of a 150-token sequence: prefilled whole, prefilled in chunks after cached context, decoded one by
+    one, packed beside another sequence: the same bits, and within rounding of the reference attention."""
+    g = torch.Generator().manual_seed(1)
+    num_heads, num_kv, dim, length, bs = 4, 2, 16, 150, 16
+    q, k, v = (torch.randn(length, h, dim, generator=g).to(dtype) for h in (num_heads, num_kv, num_kv))
+    scale = dim**-0.5
+    whole = torch.ops.tpweave.invariant_attention(q, k, v, torch.tensor([0, length]), scale)
+    ref = torch.ops.tpweave.attention(q, k, v, torch.tensor([0, length]), scale)
+    assert torch.allclose(whole.float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    other = [torch.randn(33, h, dim, generator=g).to(dtype) for h in (num_heads, num_kv, num_kv)]
+    packed = torch.ops.tpweave.invariant_attention(
+        *(torch.cat([o, t]) for o, t in zip(other, (q, k, v))), torch.tensor([0, 33, 33 + length]), scale
+    )
+    assert torch.equal(packed[33:], whole)
+    tables = torch.arange(16, dtype=torch.int32)[None]
+    for steps in ([length], [64, 1, 37, 48], [100] + [1] * 50):  # prefill; chunks and a decode; decodes
+        kc, vc = (torch.zeros(16 * bs, num_kv, dim, dtype=dtype) for _ in range(2))
+        outs, start = [], 0
+        for n in steps:
+            rows = slice(start, start + n)
+            outs.append(torch.ops.tpweave.invariant_paged_attention(
+                q[rows], k[rows], v[rows], kc, vc, torch.arange(start, start + n), torch.tensor([0, n]),
+                torch.tensor([start + n]), tables, bs, scale,
+            ))  # fmt: skip
+            start += n
+        assert torch.equal(torch.cat(outs), whole), steps
+
+
+def test_compiled_model_logits_do_not_depend_on_the_batch():
+    """Our Llama compiled with invariant="batch": a sequence's logits alone and packed with others at M from 4 to
+    420, at several places; the report names what was swapped."""
+    model = build_model("tiny", tp=TPContext.single(), dtype=torch.float32, **WIDE)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
+    others = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 100, 250, 3, 64)]
+    with torch.no_grad():
+        for length in (1, 3, 6, 37):
+            target = torch.randint(0, vocab, (length,), generator=g)
+            alone = compiled(*_packed([target]))
+            for layout in ([0, 1], [1, 0], [2, 0, 3], [4, 3, 0, 5]):
+                seqs = [target if i == 0 else others[i - 1] for i in layout]
+                start = sum(len(s) for s in seqs[: layout.index(0)])
+                got = compiled(*_packed(seqs))[start : start + length]
+                assert torch.equal(got, alone), (length, layout, (got - alone).abs().max())
+            assert torch.allclose(alone, model(*_packed([target])), atol=1e-4)
+    swapped = [gr.invariant["swapped"] for gr in tpweave.report(compiled).graphs]
+    assert all(s.get("aten.mm.default", 0) >= 9 and s.get("tpweave.attention.default") == 2 for s in swapped)
+
+
+def _engine_logits(prompts, config, *, pad_to=None):
+    """Greedy generation of `prompts` by a TP=1 engine, with the logits row of every sampled token keyed by the
+    tokens it was computed from."""
+    from tpweave.compiler.piecewise import PiecewiseGraphs
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    torch._dynamo.reset()
+    engine = LLMEngine(TPContext.single(), "tiny", **config)
+    runner = engine.runner
+    if pad_to is not None:  # the padding the piecewise CUDA graphs bring, on a CPU
+        runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
+    seen: dict[tuple, torch.Tensor] = {}
+    forward, launch = runner.forward, runner.launch
+
+    def recording_launch(chunks):
+        step = {}
+
+        def recording_forward(*args):
+            step["logits"] = forward(*args)
+            return step["logits"]
+
+        runner.forward = recording_forward
+        try:
+            out = launch(chunks)
+        finally:
+            runner.forward = forward
+        for b, c in enumerate(chunks):
+            if c.samples:
+                seen[tuple(c.seq.tokens(0, c.start + c.num_tokens))] = step["logits"][b].clone()
+        return out
+
+    runner.launch = recording_launch
+    results = engine.generate(prompts, SamplingParams(max_tokens=6))
+    return results, seen
+
+
+def test_engine_request_logits_alone_equal_among_others():
+    """Each request alone, then all together in steps of at most 16 tokens (chunked prefill, mixed steps), with too
+    few KV blocks for all (preemption), and with steps padded as for piecewise graphs: every sampled token's logits
+    bitwise the same as alone."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
+    config = dict(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                  async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
+    alone = {}
+    for p in prompts:
+        _, seen = _engine_logits([p], {**config, "num_blocks": 32})
+        alone.update(seen)
+    preempted = 0
+    for blocks, pad_to in ((32, None), (16, (16,)), (16, None)):
+        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks}, pad_to=pad_to)
+        assert all(len(r["token_ids"]) == 6 for r in results)
+        preempted += sum(r["num_preemptions"] for r in results)
+        assert set(seen) <= set(alone) and len(seen) == len(alone) == 5 * 6
+        for key, logits in seen.items():
+            assert torch.equal(logits, alone[key]), (blocks, pad_to, len(key))
+    assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
+
+
+def test_invariant_options_refuse_what_is_not_built():
+    from tpweave.compiler.options import plan
+    from tpweave.compiler.tp_group import TPGroup
+    from tpweave.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="invariant='tp'"):
+        CompileOptions(invariant="tp")
+    with pytest.raises(ValueError, match="invariant must be one of"):
+        CompileOptions(invariant="yes")
+    with pytest.raises(ValueError, match="one rank so far"):
+        plan(CompileOptions(invariant="batch"), TPGroup("g", 0, 2, "gloo"), None)
+    one = plan(CompileOptions(invariant="batch"), TPGroup("", 0, 1, "none"), None)
+    assert one.variants["plain"].invariant == "batch" and not one.variants["plain"].decode_gemv
+    with pytest.raises(ValueError, match="compile_model=True"):
+        EngineConfig(invariant="batch", compile_model=False)
+
+
+def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
+    class Batched(torch.nn.Module):
+        def forward(self, x, w):
+            return torch.bmm(x, w).sum(0) @ w[0]
+
+    x, w = torch.randn(2, 5, 8), torch.randn(2, 8, 8)
+    loose = compiler.compile(Batched(), options=CompileOptions(invariant="batch"))
+    torch.testing.assert_close(loose(x, w), Batched()(x, w))
+    report = tpweave.report(loose).graphs[0]
+    assert report.invariant["not_invariant"] == {"aten.bmm.default": 1}
+    assert report.invariant["swapped"] == {"aten.mm.default": 1}
+    assert any("not batch-invariant: aten.bmm.default x1" in n for n in report.notes)
+    strict = compiler.compile(Batched(), options=CompileOptions(invariant="batch", strict=True))
+    with pytest.raises(Exception, match="not batch-invariant"):
+        strict(x, w)
