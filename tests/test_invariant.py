@@ -152,6 +152,20 @@ def test_engine_request_logits_alone_equal_among_others():
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_logits_do_not_depend_on_the_batch_or_the_graph_at_tp_2_and_4(tp):
+    """At TP 2 and 4 (gloo): a sequence's logits alone (the plain graph, its all-reduces) and packed with others at
+    M up to 420 (the SP graph from M = 64 on: reduce-scatter, norm on a shard, all-gather): bitwise equal, every sum
+    across ranks in rank order."""
+    import workers
+
+    results = tpweave.launch(workers.invariant_logits, 64, nprocs=tp, timeout_s=600)
+    assert results[0] == results[1]
+    equal, worst, calls = results[0]
+    assert all(equal) and worst == 0.0, (equal, worst)
+    assert calls.get("plain", 0) > 0 and calls.get("sp", 0) > 0, calls
+
+
 def test_invariant_options_refuse_what_is_not_built():
     from tpweave.compiler.options import plan
     from tpweave.compiler.tp_group import TPGroup
@@ -161,8 +175,9 @@ def test_invariant_options_refuse_what_is_not_built():
         CompileOptions(invariant="tp")
     with pytest.raises(ValueError, match="invariant must be one of"):
         CompileOptions(invariant="yes")
-    with pytest.raises(ValueError, match="one rank so far"):
-        plan(CompileOptions(invariant="batch"), TPGroup("g", 0, 2, "gloo"), None)
+    two = plan(CompileOptions(invariant="batch", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"), None)
+    assert two.variants["plain"].all_reduce_policy == "ordered" and two.token_split_min_tokens is None
+    assert two.variants["plain"].all_reduce_rms_norm_policy == "sequential" and not two.variants["sp"].async_tp
     one = plan(CompileOptions(invariant="batch"), TPGroup("", 0, 1, "none"), None)
     assert one.variants["plain"].invariant == "batch" and not one.variants["plain"].decode_gemv
     with pytest.raises(ValueError, match="compile_model=True"):

@@ -169,8 +169,8 @@ def _invariant(p: argparse.ArgumentParser) -> None:
         "--invariant",
         choices=("batch",),
         default=None,
-        help="batch: each request's tokens bitwise the same whatever other requests share its steps (one rank; "
-        "docs/user_guide.md, Batch invariance)",
+        help="batch: each request's tokens bitwise the same whatever other requests share its steps "
+        "(docs/user_guide.md, Batch invariance)",
     )
 
 

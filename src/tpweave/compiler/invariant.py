@@ -4,14 +4,19 @@ batch-invariant ones (ops/invariant.py), so each token's logits do not depend on
 Before:                                         After:
     y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]))
     y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
+    r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)
     o = tpweave.attention(q, k, v, cu, s)           o = tpweave.invariant_attention(q, k, v, cu, s)
     auto_functionalized_v2(                         auto_functionalized_v2(
         tpweave.paged_attention, ...)                   tpweave.invariant_paged_attention, ...)
 
 The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
-every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is. Ops that reduce
-across rows or pick kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA, a fused FP8
-matmul, a collective at TP >= 2) are listed in the report as not invariant; with strict=True they raise.
+every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
+
+At TP >= 2 every cross-rank sum runs in rank order (the plan routes every site to the `ordered` strategy, and the
+SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`): a row's sum is the same in
+the plain graph's all-reduce and in the SP graph's reduce-scatter, whatever M. Ops that reduce across rows or pick
+kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA, a fused FP8 matmul, a collective that
+sums in the backend's order) are listed in the report as not invariant; with strict=True they raise.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.hig
 SWAPS = {
     aten.mm.default: tpw.invariant_mm.default,
     tpw.attention.default: tpw.invariant_attention.default,
+    tpw.reduce_scatter_tokens.default: tpw.ordered_reduce_scatter_tokens.default,
 }
 MUTABLE_SWAPS = {tpw.paged_attention.default: tpw.invariant_paged_attention.default}
 # ops whose result for a row may depend on the other rows of the call, that this pass cannot swap
@@ -67,7 +73,7 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool) 
         elif target in AUTO_FUNCTIONALIZED and node.args and node.args[0] in MUTABLE_SWAPS:
             target = node.args[0]
             node.args = (MUTABLE_SWAPS[target], *node.args[1:])
-        elif target in NOT_INVARIANT or _is_collective(target):
+        elif target in NOT_INVARIANT or _unordered_collective(node):
             name = str(target)
             left[name] = left.get(name, 0) + 1
             continue
@@ -82,6 +88,18 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool) 
         report.notes.append(msg)
 
 
-def _is_collective(target) -> bool:
-    name = str(target)
-    return name.startswith(("_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter", "tpweave.dispatched"))
+def _unordered_collective(node: fx.Node) -> bool:
+    """A collective that sums across ranks in an order of the backend's (its size decides where each row's sum
+    starts), or a strategy-dispatched op whose policy is not `ordered` (ops/strategies/ordered.py)."""
+    name = str(node.target)
+    if name.startswith(("_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter")):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if not name.startswith("tpweave.") or schema is None:
+        return False
+    names = [a.name for a in schema.arguments]
+    if "policy" in names:
+        i = names.index("policy")
+        policy = node.args[i] if i < len(node.args) else node.kwargs.get("policy")
+        return policy != "ordered"
+    return "num_sms" in names  # the token split's side-stream all-reduce + norm: no policy, never ordered

@@ -74,7 +74,7 @@ class CompileOptions:
     num_tokens_fn: Callable[[tuple], int] | None = None  # M from the call's arguments
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
     # "batch": each token's results bitwise the same whatever other tokens share the call (compiler/invariant.py);
-    # None: off. One rank only so far: the collectives' fixed-order reductions are not built yet.
+    # None: off
     invariant: str | None = None
 
     def __post_init__(self) -> None:
@@ -243,27 +243,27 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     fuse_norm = nccl and tp.world_size > 1
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
+    invariant = options.invariant is not None
+    if invariant:  # every cross-rank sum in rank order (ops/strategies/ordered.py), the norm left to Inductor
+        site_policies, ar_norm = (), "sequential"
     common = dict(site_policies=site_policies)
     # not the SP graph: it serves M in the thousands
-    if options.invariant is not None and tp.world_size > 1:
-        raise ValueError(
-            f"option invariant={options.invariant!r} runs on one rank so far (this group has {tp.world_size}): the "
-            "collectives' fixed-order reductions are not built yet"
-        )
     # invariant: the decode GEMV is another kernel at one row than above it, so it stays off
     gemv = dict(decode_gemv=options.decode_gemv and options.invariant is None,
                 norm_gemv=options.norm_gemv and options.invariant is None, invariant=options.invariant)  # fmt: skip
-    variants = {"plain": PassOptions(False, False, all_reduce_policy=options.all_reduce_policy,
+    all_reduce = "ordered" if invariant else options.all_reduce_policy
+    variants = {"plain": PassOptions(False, False, all_reduce_policy=all_reduce,
                                      all_reduce_rms_norm_policy=ar_norm, **common, **gemv)}  # fmt: skip
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
-        variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=options.ag_mm_policy,
+        # invariant: no async-TP fusion yet (its reduce-scatter + norm is another norm kernel than the plain graph's)
+        variants["sp"] = PassOptions(True, options.async_tp and not invariant, ag_mm_policy=options.ag_mm_policy,
                                      mm_rs_policy=options.mm_rs_policy, invariant=options.invariant,
                                      **common)  # fmt: skip
     split_min = options.token_split_min_tokens
     if split_min is None and table is not None:
         split_min = table.token_split_min_tokens
-    if tp.world_size == 1:
-        split_min = None  # one rank: nothing to overlap
+    if tp.world_size == 1 or invariant:
+        split_min = None  # one rank: nothing to overlap; invariant: its all-reduces are the backend's, unordered
     if split_min is not None:
         variants["split"] = PassOptions(
             False, False, token_split=True, token_split_sms=options.token_split_sms, **common, **gemv

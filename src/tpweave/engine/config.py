@@ -56,7 +56,7 @@ class EngineConfig:
             sizes = check_sizes(self.prefill_graph_sizes, self.max_num_batched_tokens, "prefill_graph_sizes")
             object.__setattr__(self, "prefill_graph_sizes", tuple(sizes))
         if self.invariant not in (None, "batch"):
-            raise ValueError(f"invariant must be None or 'batch' (one rank so far), got {self.invariant!r}")
+            raise ValueError(f"invariant must be None or 'batch', got {self.invariant!r}")
         if self.invariant is not None and not self.compile_model:
             raise ValueError("invariant='batch' needs compile_model=True: the compiler swaps the invariant kernels in")
         if not 0 < self.gpu_memory_utilization <= 1:

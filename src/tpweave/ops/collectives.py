@@ -68,6 +68,38 @@ def _(x, num_token_dims, group_name, world_size):
     return x.new_empty(shard_rows(num_tokens, world_size), *x.shape[num_token_dims:])
 
 
+def ordered_sum(parts: Tensor, dtype: torch.dtype) -> Tensor:
+    """parts (W, ...) summed in rank order in fp32: ((p0 + p1) + p2) + ..., in `dtype`. The order does not depend on
+    the tensor's size or on where a row sits in it (a backend's ring or tree reduction does)."""
+    acc = parts[0].float()
+    for r in range(1, parts.shape[0]):
+        acc = acc + parts[r].float()
+    return acc.to(dtype)
+
+
+def ordered_all_reduce(x: Tensor, group_name: str, world_size: int) -> Tensor:
+    """Sum of x over the ranks, every element in rank order (ordered_sum): the ranks' x all-gathered, then summed."""
+    parts = all_gather_dim0(x.contiguous().reshape(1, -1), world_size, group_name)
+    return ordered_sum(parts, x.dtype).reshape(x.shape)
+
+
+@torch.library.custom_op("tpweave::ordered_reduce_scatter_tokens", mutates_args=())
+def ordered_reduce_scatter_tokens(x: Tensor, num_token_dims: int, group_name: str, world_size: int) -> Tensor:
+    """reduce_scatter_tokens with every row summed in rank order (ordered_sum): the same bits for a row whatever the
+    number of rows, and the same as ordered_all_reduce gives it."""
+    flat = _flatten_padded(x, num_token_dims, world_size)
+    parts = all_gather_dim0(flat[None], world_size, group_name)  # (W, W * rows, *F)
+    rows = flat.shape[0] // world_size
+    rank = torch.distributed.get_rank(torch.distributed.distributed_c10d._resolve_process_group(group_name))
+    return ordered_sum(parts[:, rank * rows : (rank + 1) * rows], x.dtype)
+
+
+@ordered_reduce_scatter_tokens.register_fake
+def _(x, num_token_dims, group_name, world_size):
+    num_tokens = math.prod(x.shape[:num_token_dims])
+    return x.new_empty(shard_rows(num_tokens, world_size), *x.shape[num_token_dims:])
+
+
 @torch.library.custom_op("tpweave::all_gather_tokens", mutates_args=())
 def all_gather_tokens(x: Tensor, token_sizes: list[int], group_name: str, world_size: int) -> Tensor:
     """Inverse of the token sharding: (shard_rows(N), *F) -> (*token_sizes, *F), padding dropped."""

@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from torch import Tensor
 
-from tpweave.ops.strategies import ce_overlap, sequential, symm_mem_allreduce, symm_mem_fused, triton_ar_norm
+from tpweave.ops.strategies import ce_overlap, ordered, sequential, symm_mem_allreduce, symm_mem_fused, triton_ar_norm
 from tpweave.ops.strategies.contract import Strategy, chosen_name, parse_policy
 
 STRATEGIES: MappingProxyType[str, Strategy] = MappingProxyType(
@@ -30,6 +30,7 @@ STRATEGIES: MappingProxyType[str, Strategy] = MappingProxyType(
             triton_ar_norm.TRITON_AR_NORM_LL,
             ce_overlap.CE_OVERLAP,
             ce_overlap.CE_OVERLAP_2S,
+            ordered.ORDERED,
         )
     }
 )
