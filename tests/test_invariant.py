@@ -93,14 +93,14 @@ def test_compiled_model_logits_do_not_depend_on_the_batch():
     assert all(s.get("aten.mm.default", 0) >= 9 and s.get("tpweave.attention.default") == 2 for s in swapped)
 
 
-def _engine_logits(prompts, config, *, pad_to=None):
+def _engine_logits(prompts, config, *, pad_to=None, device="cpu"):
     """Greedy generation of `prompts` by a TP=1 engine, with the logits row of every sampled token keyed by the
     tokens it was computed from."""
     from tpweave.compiler.piecewise import PiecewiseGraphs
     from tpweave.engine import LLMEngine, SamplingParams
 
     torch._dynamo.reset()
-    engine = LLMEngine(TPContext.single(), "tiny", **config)
+    engine = LLMEngine(TPContext.single(device), "tiny", **config)
     runner = engine.runner
     if pad_to is not None:  # the padding the piecewise CUDA graphs bring, on a CPU
         runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
@@ -129,21 +129,24 @@ def _engine_logits(prompts, config, *, pad_to=None):
     return results, seen
 
 
-def test_engine_request_logits_alone_equal_among_others():
+@pytest.mark.parametrize(
+    "device,dtype", [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu(gpus=1))]
+)
+def test_engine_request_logits_alone_equal_among_others(device, dtype):
     """Each request alone, then all together in steps of at most 16 tokens (chunked prefill, mixed steps), with too
     few KV blocks for all (preemption), and with steps padded as for piecewise graphs: every sampled token's logits
-    bitwise the same as alone."""
+    bitwise the same as alone (on a GPU: cuBLAS and torch's kernels on the fixed tiles)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
-    config = dict(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+    config = dict(dtype=dtype, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                   async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
     alone = {}
     for p in prompts:
-        _, seen = _engine_logits([p], {**config, "num_blocks": 32})
+        _, seen = _engine_logits([p], {**config, "num_blocks": 32}, device=device)
         alone.update(seen)
     preempted = 0
     for blocks, pad_to in ((32, None), (16, (16,)), (16, None)):
-        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks}, pad_to=pad_to)
+        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks}, pad_to=pad_to, device=device)
         assert all(len(r["token_ids"]) == 6 for r in results)
         preempted += sum(r["num_preemptions"] for r in results)
         assert set(seen) <= set(alone) and len(seen) == len(alone) == 5 * 6

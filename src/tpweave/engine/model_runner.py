@@ -81,7 +81,9 @@ class ModelRunner:
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
-        graphs = config.cuda_graphs and self.on_cuda
+        # invariant: its attention reads each sequence's lengths on the host (ops/invariant.py), which no CUDA graph
+        # can capture, so its steps run without graphs
+        graphs = config.cuda_graphs and self.on_cuda and config.invariant is None
         self._pool = torch.cuda.graph_pool_handle() if graphs else None  # shared by every graph of this runner
         self.pieces: PiecewiseGraphs | None = None
         # Compiled at every TP: at TP=1 there is no communication to rewrite, but Inductor fuses the norms,
