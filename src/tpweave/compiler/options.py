@@ -149,6 +149,12 @@ class CompileOptions:
 
         if pdl.requested() and hasattr(inductor.triton, "enable_pdl"):
             config["triton.enable_pdl"] = True  # Inductor's kernels launch as ours do (ops/pdl.py), where PDL runs
+        if self.invariant is not None:
+            # one kernel configuration per reduction, picked without timing (Inductor's autotuning would choose by
+            # measured speed, so two compiles could reduce a row in different orders), and no split reductions
+            for name in ("deterministic", "batch_invariant"):
+                if hasattr(inductor, name):
+                    config[name] = True
         return config
 
 
