@@ -11,17 +11,11 @@ import tpweave
 from tpweave import compiler
 from tpweave.compiler import CompileOptions
 from tpweave.models import build_model
+from tpweave.models.inputs import pack
 from tpweave.runtime.context import TPContext
 
 # dimensions at which torch's own fp32 CPU matmul gives a row different bits at different M
 WIDE = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
-
-
-def _packed(seqs):
-    ids = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32)
-    return ids, pos, cu
 
 
 def test_invariant_matmul_gives_a_row_the_same_bits_at_every_m_and_place():
@@ -82,13 +76,13 @@ def test_compiled_model_logits_do_not_depend_on_the_batch():
     with torch.no_grad():
         for length in (1, 3, 6, 37):
             target = torch.randint(0, vocab, (length,), generator=g)
-            alone = compiled(*_packed([target]))
+            alone = compiled(*pack([target]).args())
             for layout in ([0, 1], [1, 0], [2, 0, 3], [4, 3, 0, 5]):
                 seqs = [target if i == 0 else others[i - 1] for i in layout]
                 start = sum(len(s) for s in seqs[: layout.index(0)])
-                got = compiled(*_packed(seqs))[start : start + length]
+                got = compiled(*pack(seqs).args())[start : start + length]
                 assert torch.equal(got, alone), (length, layout, (got - alone).abs().max())
-            assert torch.allclose(alone, model(*_packed([target])), atol=1e-4)
+            assert torch.allclose(alone, model(*pack([target]).args()), atol=1e-4)
     swapped = [gr.invariant["swapped"] for gr in tpweave.report(compiled).graphs]
     assert all(s.get("aten.mm.default", 0) >= 9 and s.get("tpweave.attention.default") == 2 for s in swapped)
 

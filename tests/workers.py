@@ -1276,6 +1276,7 @@ def invariant_logits(ctx, sp_min_tokens):
     from tpweave import compiler
     from tpweave.compiler import CompileOptions
     from tpweave.models import build_model
+    from tpweave.models.inputs import pack
 
     torch._dynamo.reset()
     wide = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
@@ -1286,21 +1287,15 @@ def invariant_logits(ctx, sp_min_tokens):
     g = torch.Generator().manual_seed(1)
     others = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 100, 250, 3, 64)]
 
-    def packed(seqs):
-        ids = torch.cat(seqs)
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])
-        cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32)
-        return ids, pos, cu
-
     equal, worst = [], 0.0
     with torch.no_grad():
         for length in (1, 3, 6, 37):
             target = torch.randint(0, vocab, (length,), generator=g)
-            alone = compiled(*packed([target]))
+            alone = compiled(*pack([target]).args())
             for layout in ([0, 1], [2, 0, 3], [4, 3, 0, 5]):
                 seqs = [target if i == 0 else others[i - 1] for i in layout]
                 start = sum(len(s) for s in seqs[: layout.index(0)])
-                got = compiled(*packed(seqs))[start : start + length]
+                got = compiled(*pack(seqs).args())[start : start + length]
                 equal.append(torch.equal(got, alone))
                 worst = max(worst, (got - alone).abs().max().item())
     return equal, worst, dict(compiled.calls)

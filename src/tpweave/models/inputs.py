@@ -36,6 +36,18 @@ def split_tokens(num_tokens: int, num_seqs: int) -> list[int]:
     return [base + (i < extra) for i in range(num_seqs)]
 
 
+def pack(sequences: list[Tensor], *, device: str | torch.device | None = None) -> PackedBatch:
+    """The given token-id sequences (each (L_b,) int64) packed in order; ValueError for none or an empty one."""
+    if not sequences or any(len(s) < 1 for s in sequences):
+        raise ValueError(f"every sequence needs at least one token, got lengths {[len(s) for s in sequences]}")
+    lens = torch.tensor([len(s) for s in sequences])
+    ids = torch.cat(list(sequences))
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    device = device if device is not None else ids.device
+    return PackedBatch(ids.to(device), positions.to(device), cu.to(device))
+
+
 def random_batch(
     seq_lens: list[int], *, vocab_size: int, seed: int = 0, device: str | torch.device = "cpu"
 ) -> PackedBatch:
@@ -45,6 +57,4 @@ def random_batch(
         raise ValueError(f"every sequence needs at least one token, got lengths {seq_lens}")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (sum(seq_lens),), generator=gen)
-    positions = torch.cat([torch.arange(n) for n in seq_lens])
-    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return PackedBatch(ids.to(device), positions.to(device), cu.to(device))
+    return pack(list(ids.split(seq_lens)), device=device)
