@@ -163,6 +163,24 @@ def test_logits_do_not_depend_on_the_batch_or_the_graph_at_tp_2_and_4(tp):
     assert calls.get("plain", 0) > 0 and calls.get("sp", 0) > 0, calls
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hugging_face_llama_under_its_own_tp_plan_is_batch_invariant(tmp_path, tp):
+    """transformers' Llama (tp_plan="auto" at TP 2), its forward compiled with invariant="batch", strict: a prompt's
+    logits alone and in right-padded batches (its SDPA swapped for tpweave's, every matmul and sum too)."""
+    import workers
+
+    if tp == 1:
+        results = [workers.hf_invariant_logits(TPContext.single(), str(tmp_path))]
+    else:
+        results = tpweave.launch(workers.hf_invariant_logits, str(tmp_path), nprocs=tp, timeout_s=600)
+    equal, swaps, calls = results[0]
+    assert all(equal), equal
+    assert all(s["not_invariant"] == {} and s["swapped"].get("aten._scaled_dot_product_flash_attention_for_cpu.default")
+               for s in swaps), swaps  # fmt: skip
+    if tp > 1:
+        assert calls.get("sp", 0) > 0 and calls.get("plain", 0) > 0, calls
+
+
 def test_invariant_options_refuse_what_is_not_built():
     from tpweave.compiler.options import plan
     from tpweave.compiler.tp_group import TPGroup

@@ -1299,3 +1299,48 @@ def invariant_logits(ctx, sp_min_tokens):
                 equal.append(torch.equal(got, alone))
                 worst = max(worst, (got - alone).abs().max().item())
     return equal, worst, dict(compiled.calls)
+
+
+@torch.no_grad()
+def hf_invariant_logits(ctx, path):
+    """A Hugging Face Llama (wide enough that fp32 matmuls are batch-dependent) loaded with transformers' own TP plan
+    (tp_plan="auto"; at one rank without), its forward compiled with invariant="batch" and strict=True: whether a
+    prompt's logits alone equal its rows in right-padded batches of 2 and 3 (M up to 300, the SP graph from 64 on),
+    and the report's swaps."""
+    import torch.distributed as dist
+    import transformers
+
+    import tpweave
+    from tpweave.compiler import CompileOptions
+
+    torch._dynamo.reset()
+    if ctx.rank == 0:
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=64, max_position_embeddings=512, pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    if ctx.world_size > 1:
+        dist.barrier()
+        extra = {"distributed_config": transformers.DistributedConfig(tp_plan="auto")}
+    else:
+        extra = {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+    forward = tpweave.compile(model.forward, options=CompileOptions(invariant="batch", strict=True, sp_min_tokens=64))
+    g = torch.Generator().manual_seed(1)
+    equal = []
+    for length in (1, 6, 37):
+        target = torch.randint(1, 256, (length,), generator=g)
+        alone = forward(input_ids=target[None], attention_mask=torch.ones(1, length, dtype=torch.long)).logits[0]
+        for others in ([40], [100, 3]):
+            seqs = [torch.randint(1, 256, (n,), generator=g) for n in others] + [target]
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, s in enumerate(seqs):
+                ids[i, : len(s)], mask[i, : len(s)] = s, 1
+            got = forward(input_ids=ids, attention_mask=mask).logits[-1, :length]
+            equal.append(torch.equal(got, alone))
+    report = tpweave.report(forward)
+    return equal, [gr.invariant for gr in report.graphs], dict(forward.calls)

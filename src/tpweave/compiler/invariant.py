@@ -6,6 +6,8 @@ Before:                                         After:
     y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
     r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)
     o = tpweave.attention(q, k, v, cu, s)           o = tpweave.invariant_attention(q, k, v, cu, s)
+    o = _scaled_dot_product_flash_attention_for_cpu(q, k, v, ...)
+                                                    o = tpweave.invariant_sdpa_cpu(q, k, v, ...)
     auto_functionalized_v2(                         auto_functionalized_v2(
         tpweave.paged_attention, ...)                   tpweave.invariant_paged_attention, ...)
 
@@ -15,8 +17,8 @@ every M (tpweave compiles M as a dynamic size), so a row is reduced the same way
 At TP >= 2 every cross-rank sum runs in rank order (the plan routes every site to the `ordered` strategy, and the
 SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`): a row's sum is the same in
 the plain graph's all-reduce and in the SP graph's reduce-scatter, whatever M. Ops that reduce across rows or pick
-kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA, a fused FP8 matmul, a collective that
-sums in the backend's order) are listed in the report as not invariant; with strict=True they raise.
+kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA on a GPU, a fused FP8 matmul, a
+collective that sums in the backend's order) are listed in the report as not invariant; with strict=True they raise.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ SWAPS = {
     aten.mm.default: tpw.invariant_mm.default,
     tpw.attention.default: tpw.invariant_attention.default,
     tpw.reduce_scatter_tokens.default: tpw.ordered_reduce_scatter_tokens.default,
+    # torch's SDPA on a CPU (e.g. a Hugging Face model's attention)
+    aten._scaled_dot_product_flash_attention_for_cpu.default: tpw.invariant_sdpa_cpu.default,
 }
 MUTABLE_SWAPS = {tpw.paged_attention.default: tpw.invariant_paged_attention.default}
 # ops whose result for a row may depend on the other rows of the call, that this pass cannot swap
@@ -43,7 +47,6 @@ NOT_INVARIANT = {
     aten.baddbmm.default,
     aten.mv.default,
     aten._scaled_mm.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,

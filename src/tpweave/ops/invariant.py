@@ -169,3 +169,81 @@ def invariant_paged_attention(
 def _(q_MHD, k_MKD, v_MKD, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables, block_size, scale,
       cos_sin=None, positions=None, fresh=None):  # fmt: skip
     return q_MHD.new_empty(q_MHD.shape)
+
+
+def _as_meta(t: Tensor | None) -> Tensor | None:
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@torch.library.custom_op("tpweave::invariant_sdpa_cpu", mutates_args=())
+def invariant_sdpa_cpu(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """aten._scaled_dot_product_flash_attention_for_cpu's contract (what torch's SDPA becomes on a CPU: query
+    (B, H, L, D), key / value (B, H, S, D), an optional boolean or additive mask broadcastable to (B, H, L, S), causal
+    from the top left; (output, logsumexp) with the aten op's layouts), batch-invariant: each sequence alone, its
+    queries in fixed tiles, its keys in fixed chunks (module doc). A row that sees no key gets zeros."""
+    if dropout_p:
+        raise ValueError("invariant_sdpa_cpu: dropout is not supported")
+    ref_out, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(_as_meta(t) for t in (query, key, value)), dropout_p, is_causal, attn_mask=_as_meta(attn_mask), scale=scale
+    )
+    out = torch.empty_strided(ref_out.shape, ref_out.stride(), dtype=query.dtype, device=query.device)
+    lse = torch.empty_strided(ref_lse.shape, ref_lse.stride(), dtype=torch.float32, device=query.device)
+    num_b, num_heads, length, dim = query.shape
+    keys_len = key.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    chunks = math.ceil(keys_len / KV_CHUNK)
+    cols = torch.arange(chunks * KV_CHUNK, device=query.device)
+    mask = None if attn_mask is None else attn_mask.expand(num_b, num_heads, length, keys_len)
+    for b in range(num_b):
+        k = torch.zeros(num_heads, chunks * KV_CHUNK, dim, dtype=torch.float32, device=query.device)
+        v = torch.zeros_like(k)
+        k[:, :keys_len], v[:, :keys_len] = key[b].float(), value[b].float()
+        for start in range(0, length, ROW_TILE):
+            rows = min(ROW_TILE, length - start)
+            q = query.new_zeros(num_heads, ROW_TILE, dim, dtype=torch.float32)
+            q[:, :rows] = query[b, :, start : start + rows].float()
+            bias = q.new_zeros(num_heads, ROW_TILE, chunks * KV_CHUNK)
+            bias[..., keys_len:] = float("-inf")
+            if mask is not None:
+                m = mask[b, :, start : start + rows]
+                bias[:, :rows, :keys_len] = (
+                    torch.zeros_like(m, dtype=torch.float32).masked_fill(~m, float("-inf")) if m.dtype == torch.bool
+                    else m.float()
+                )  # fmt: skip
+            if is_causal:
+                qpos = torch.arange(start, start + ROW_TILE, device=query.device)
+                bias = bias.masked_fill(cols[None, None, :] > qpos[None, :, None], float("-inf"))
+            m_i = q.new_full((num_heads, ROW_TILE), float("-inf"))
+            l_i = q.new_zeros(num_heads, ROW_TILE)
+            acc = q.new_zeros(num_heads, ROW_TILE, dim)
+            for c in range(chunks):
+                cs = slice(c * KV_CHUNK, (c + 1) * KV_CHUNK)
+                s = torch.bmm(q, k[:, cs].transpose(1, 2)) * scale + bias[..., cs]
+                m_new = torch.maximum(m_i, s.amax(-1))
+                safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
+                alpha = torch.exp(m_i - safe)
+                p = torch.exp(s - safe[..., None])
+                l_i = l_i * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + torch.bmm(p, v[:, cs])
+                m_i = m_new
+            seen = l_i > 0
+            o = torch.where(seen[..., None], acc / torch.where(seen, l_i, 1.0)[..., None], 0.0)
+            out[b, :, start : start + rows] = o[:, :rows].to(out.dtype)
+            lse[b, :, start : start + rows] = torch.where(seen, m_i + torch.log(l_i), float("-inf"))[:, :rows]
+    return out, lse
+
+
+@invariant_sdpa_cpu.register_fake
+def _(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return torch.empty_like(out), torch.empty_like(lse)
