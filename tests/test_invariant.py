@@ -87,7 +87,7 @@ def test_compiled_model_logits_do_not_depend_on_the_batch():
     assert all(s.get("aten.mm.default", 0) >= 9 and s.get("tpweave.attention.default") == 2 for s in swapped)
 
 
-def _engine_logits(prompts, config, *, pad_to=None, device="cpu"):
+def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
     """Greedy generation of `prompts` by a TP=1 engine, with the logits row of every sampled token keyed by the
     tokens it was computed from."""
     from tpweave.compiler.piecewise import PiecewiseGraphs
@@ -119,7 +119,7 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu"):
         return out
 
     runner.launch = recording_launch
-    results = engine.generate(prompts, SamplingParams(max_tokens=6))
+    results = engine.generate(prompts, params or SamplingParams(max_tokens=6))
     return results, seen
 
 
@@ -147,6 +147,22 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
         for key, logits in seen.items():
             assert torch.equal(logits, alone[key]), (blocks, pad_to, len(key))
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_came_in_before_it():
+    """Temperature sampling with a seed under invariant="batch": a request alone and submitted last among others
+    draws the same tokens (its logits are the same, and its random stream is its seed's)."""
+    from tpweave.engine import SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1536) for _ in range(n)] for n in (9, 4, 21)]
+    config = dict(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                  num_blocks=32, async_scheduling=False, invariant="batch")  # fmt: skip
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=5)
+    alone, _ = _engine_logits(prompts[:1], config, params=params)
+    together, _ = _engine_logits(prompts[1:] + prompts[:1], config, params=params)
+    assert together[-1]["token_ids"] == alone[0]["token_ids"]
+    assert together[0]["token_ids"] != together[1]["token_ids"]  # the draws are random, not greedy
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -354,6 +354,13 @@ class ModelRunner:
         return self._static_out[bucket][: len(chunks)]
 
     # -- the step -----------------------------------------------------------------------------------
+    def _stream(self, params, seq) -> int:
+        """The random stream of a request: its seed mixed with its sequence id, so that requests of one seed differ;
+        with invariant="batch" and a seed given, the seed alone (the same draws whatever came in before it)."""
+        if self.config.invariant is not None and params.seed is not None:
+            return params.seed
+        return (params.seed or 0) * 1_000_003 + seq.seq_id
+
     @torch.no_grad()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
         """Queue the step's forward and sampling on the device without waiting for either; the returned
@@ -387,8 +394,9 @@ class ModelRunner:
         picked = logits if len(sampling) == len(chunks) else logits[put([b for b, _ in sampling], torch.int64)]
         params = [c.seq.params for _, c in sampling]
         if any(p.temperature > 0 for p in params):
-            # a request's draw depends on its seed and on how many tokens it generated before this one
-            seeds = [request_seed((p.seed or 0) * 1_000_003 + c.seq.seq_id, c.seq.num_generated - 1)
+            # a request's draw depends on its seed and on how many tokens it generated before this one; its sequence
+            # id (the order requests came in) is mixed in, except where invariance asks for the seed alone
+            seeds = [request_seed(self._stream(p, c.seq), c.seq.num_generated - 1)
                      for p, (_, c) in zip(params, sampling)]  # fmt: skip
             tokens = sample(
                 picked.float(),
