@@ -61,6 +61,19 @@ def test_bad_input_is_one_line_before_any_rank_starts(args, message, tmp_path):
     assert not (tmp_path / "tpweave-results").exists()  # nothing written
 
 
+def test_invariant_flag_refuses_the_uncompiled_model_before_any_rank(capsys):
+    """--invariant batch needs the compiler (it swaps the invariant kernels in): with --no-compile, one line naming
+    both flags and exit status 2, before any rank starts; an unknown level is argparse's one line."""
+    from tpweave.cli.main import main
+
+    assert main(["generate", "--model", "tiny", "-tp", "1", "--invariant", "batch", "--no-compile"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == "tpweave: error: --invariant batch needs the compiled model: drop --no-compile", line
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "tiny", "--invariant", "tp"])
+    assert e.value.code == 2 and "invalid choice: 'tp'" in capsys.readouterr().err
+
+
 def test_ranks_on_a_cpu_without_the_memory_for_the_model_stop_before_starting(monkeypatch, capsys):
     """On a CPU the ranks share the machine's memory: a model whose weights (+ each rank's share of building
     them) do not fit is refused in one line naming --model and the sizes, instead of a rank killed mid-build."""
