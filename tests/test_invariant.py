@@ -165,14 +165,13 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_came_in_before_it():
     assert together[0]["token_ids"] != together[1]["token_ids"]  # the draws are random, not greedy
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_logits_do_not_depend_on_the_batch_or_the_graph_at_tp_2_and_4(tp):
-    """At TP 2 and 4 (gloo): a sequence's logits alone (the plain graph, its all-reduces) and packed with others at
-    M up to 420 (the SP graph from M = 64 on: reduce-scatter, norm on a shard, all-gather): bitwise equal, every sum
-    across ranks in rank order."""
+def test_logits_do_not_depend_on_the_batch_or_the_graph_at_tp_4():
+    """At TP 4 (gloo; TP 2 is the Hugging Face test's): a sequence's logits alone (the plain graph, its all-reduces)
+    and packed with others at M up to 420 (the SP graph from M = 64 on: reduce-scatter, norm on a shard, all-gather):
+    bitwise equal, every sum across ranks in rank order (with the backend's order they differ)."""
     import workers
 
-    results = tpweave.launch(workers.invariant_logits, 64, nprocs=tp, timeout_s=600)
+    results = tpweave.launch(workers.invariant_logits, 64, nprocs=4, timeout_s=600)
     assert results[0] == results[1]
     equal, worst, calls = results[0]
     assert all(equal) and worst == 0.0, (equal, worst)
