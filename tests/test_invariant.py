@@ -196,13 +196,27 @@ def test_hugging_face_llama_under_its_own_tp_plan_is_batch_invariant(tmp_path, t
         assert calls.get("sp", 0) > 0 and calls.get("plain", 0) > 0, calls
 
 
+def test_logits_do_not_depend_on_the_tp_degree():
+    """invariant="tp": our Llama's logits for one packed batch (M = 420, the SP graph) and for a sequence alone (the
+    plain graph) bitwise the same at TP 1, 2 and 4 (every matmul a tree over 8 K chunks, a row-parallel layer's ranks
+    summing the subtrees); and the same with invariant="batch" differ across TP."""
+    import workers
+
+    one = workers.tp_invariant_logits(TPContext.single(), "tp")
+    for tp in (2, 4):
+        got = tpweave.launch(workers.tp_invariant_logits, "tp", nprocs=tp, timeout_s=600)[0]
+        for (name, want), (_, logits) in zip(one, got):
+            assert torch.equal(logits, want), (tp, name, (logits - want).abs().max())
+    batch_one = workers.tp_invariant_logits(TPContext.single(), "batch")
+    batch_two = tpweave.launch(workers.tp_invariant_logits, "batch", nprocs=2, timeout_s=600)[0]
+    assert not all(torch.equal(a, b) for (_, a), (_, b) in zip(batch_one, batch_two))
+
+
 def test_invariant_options_refuse_what_is_not_built():
     from tpweave.compiler.options import plan
     from tpweave.compiler.tp_group import TPGroup
     from tpweave.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="invariant='tp'"):
-        CompileOptions(invariant="tp")
     with pytest.raises(ValueError, match="invariant must be one of"):
         CompileOptions(invariant="yes")
     two = plan(CompileOptions(invariant="batch", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"), None)
@@ -210,6 +224,8 @@ def test_invariant_options_refuse_what_is_not_built():
     assert two.variants["plain"].all_reduce_rms_norm_policy == "sequential" and not two.variants["sp"].async_tp
     one = plan(CompileOptions(invariant="batch"), TPGroup("", 0, 1, "none"), None)
     assert one.variants["plain"].invariant == "batch" and not one.variants["plain"].decode_gemv
+    with pytest.raises(ValueError, match="compile_model=True"):
+        EngineConfig(invariant="tp", compile_model=False)
     with pytest.raises(ValueError, match="compile_model=True"):
         EngineConfig(invariant="batch", compile_model=False)
 

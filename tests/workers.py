@@ -1344,3 +1344,23 @@ def hf_invariant_logits(ctx, path):
             equal.append(torch.equal(got, alone))
     report = tpweave.report(forward)
     return equal, [gr.invariant for gr in report.graphs], dict(forward.calls)
+
+
+def tp_invariant_logits(ctx, level):
+    """Our Llama (wide) compiled with invariant=level, the SP graph from M = 64: [(what, logits)] for a sequence of 37
+    tokens alone and for it packed with sequences of 100, 250 and 33."""
+    import torch
+
+    from tpweave import compiler
+    from tpweave.compiler import CompileOptions
+    from tpweave.models import build_model
+    from tpweave.models.inputs import pack
+
+    torch._dynamo.reset()
+    wide = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
+    model = build_model("tiny", tp=ctx, dtype=torch.float32, **wide)
+    compiled = compiler.compile(model, options=CompileOptions(invariant=level, strict=True, sp_min_tokens=64))
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (37, 100, 250, 33)]
+    with torch.no_grad():
+        return [("alone", compiled(*pack(seqs[:1]).args())), ("packed", compiled(*pack(seqs).args()))]

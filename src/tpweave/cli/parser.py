@@ -167,10 +167,10 @@ def _timing(p: argparse.ArgumentParser) -> None:
 def _invariant(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--invariant",
-        choices=("batch",),
+        choices=("batch", "tp"),
         default=None,
-        help="batch: each request's tokens bitwise the same whatever other requests share its steps "
-        "(docs/user_guide.md, Batch invariance)",
+        help="batch: each request's tokens bitwise the same whatever other requests share its steps; tp: also at "
+        "every TP degree dividing 8 (docs/user_guide.md, Batch invariance)",
     )
 
 

@@ -14,11 +14,12 @@ Before:                                         After:
 The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
 every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
 
-At TP >= 2 every cross-rank sum runs in rank order (the plan routes every site to the `ordered` strategy, and the
-SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`): a row's sum is the same in
-the plain graph's all-reduce and in the SP graph's reduce-scatter, whatever M. Ops that reduce across rows or pick
-kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA on a GPU, a fused FP8 matmul, a
-collective that sums in the backend's order) are listed in the report as not invariant; with strict=True they raise.
+At TP >= 2 every cross-rank sum runs in one fixed order, a tree over the ranks (the plan routes every site to the
+`ordered` strategy, and the SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`):
+a row's sum is the same in the plain graph's all-reduce and in the SP graph's reduce-scatter, whatever M. Ops that
+reduce across rows or pick kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA on a GPU, a
+fused FP8 matmul, a collective that sums in the backend's order) are listed in the report as not invariant; with
+strict=True they raise.
 """
 
 from __future__ import annotations
@@ -57,21 +58,27 @@ class NotInvariant(RuntimeError):
     """A graph compiled with invariant="batch" and strict=True holds an op the pass cannot make invariant."""
 
 
-def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool) -> None:
+def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, level: str = "batch") -> None:
     """Swap the graph's matmuls and attention ops for the invariant ones (module doc), in place; what was swapped and
-    what could not be goes into the report."""
+    what could not be goes into the report. level "tp": the matmuls as tree products over K chunks, a row-parallel
+    product and its all-reduce or reduce-scatter as one op (ops/invariant.py, K_CHUNKS)."""
     swapped: dict[str, int] = {}
     left: dict[str, int] = {}
+    tp = level == "tp"
+    if tp:
+        for name, count in _fuse_row_parallel(graph).items():
+            swapped[name] = count
+    swaps = {**SWAPS, aten.mm.default: tpw.tp_invariant_mm.default} if tp else SWAPS
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         target = node.target
-        if target in SWAPS:
-            node.target = SWAPS[target]
+        if target in swaps:
+            node.target = swaps[target]
         elif target is aten.addmm.default:
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-            node.target = tpw.invariant_addmm.default
+            node.target = tpw.tp_invariant_addmm.default if tp else tpw.invariant_addmm.default
             node.args, node.kwargs = (bias, a, b, float(beta), float(alpha)), {}
         elif target in AUTO_FUNCTIONALIZED and node.args and node.args[0] in MUTABLE_SWAPS:
             target = node.args[0]
@@ -89,6 +96,36 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool) 
         if strict:
             raise NotInvariant(msg)
         report.notes.append(msg)
+
+
+ROW_PARALLEL_FUSIONS = {
+    tpw.all_reduce.default: tpw.tp_invariant_mm_all_reduce.default,  # (x, group_name, world_size, policy)
+    tpw.reduce_scatter_tokens.default: tpw.tp_invariant_mm_reduce_scatter.default,  # (x, 1, group_name, world_size)
+}
+
+
+def _fuse_row_parallel(graph: fx.Graph) -> dict[str, int]:
+    """level "tp": mm(a, b) read only by an all-reduce or a reduce-scatter over tokens becomes one op that sums the
+    ranks' K-chunk subtrees in the TP=1 product's tree. {what was fused: count}."""
+    fused: dict[str, int] = {}
+    for node in list(graph.nodes):
+        if node.target is not aten.mm.default or len(node.users) != 1:
+            continue
+        user = next(iter(node.users))
+        if user.target not in ROW_PARALLEL_FUSIONS or user.args[0] is not node:
+            continue
+        if user.target is tpw.all_reduce.default:
+            group_name, world_size = user.args[1], user.args[2]
+        elif user.args[1] == 1:
+            group_name, world_size = user.args[2], user.args[3]
+        else:
+            continue
+        name = f"mm + {user.target}"
+        user.target = ROW_PARALLEL_FUSIONS[user.target]
+        user.args, user.kwargs = (*node.args, group_name, world_size), {}
+        graph.erase_node(node)
+        fused[name] = fused.get(name, 0) + 1
+    return fused
 
 
 def _unordered_collective(node: fx.Node) -> bool:

@@ -74,7 +74,7 @@ class CompileOptions:
     num_tokens_fn: Callable[[tuple], int] | None = None  # M from the call's arguments
     strict: bool = False  # a failure inside tpweave's passes raises instead of compiling without them
     # "batch": each token's results bitwise the same whatever other tokens share the call (compiler/invariant.py);
-    # None: off
+    # "tp": also the same at TP = 1, 2, 4 and 8; None: off
     invariant: str | None = None
 
     def __post_init__(self) -> None:
@@ -110,10 +110,6 @@ class CompileOptions:
                     raise ValueError(f"option {name}: {e}") from None
         if self.invariant not in INVARIANT_LEVELS:
             raise ValueError(f"option invariant must be one of {INVARIANT_LEVELS}, got {self.invariant!r}")
-        if self.invariant == "tp":
-            raise ValueError(
-                "option invariant='tp' (the same results at every TP degree) is not built yet: use 'batch' (one rank)"
-            )
         if self.piecewise_graphs is not None:
             if not isinstance(self.piecewise_graphs, PiecewiseGraphs):
                 raise TypeError(
@@ -250,7 +246,7 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     invariant = options.invariant is not None
-    if invariant:  # every cross-rank sum in rank order (ops/strategies/ordered.py), the norm left to Inductor
+    if invariant:  # every cross-rank sum in one fixed order (ops/strategies/ordered.py), the norm left to Inductor
         site_policies, ar_norm = (), "sequential"
     common = dict(site_policies=site_policies)
     # not the SP graph: it serves M in the thousands

@@ -85,7 +85,7 @@ class TPWeavePass(CustomGraphPass):
         if self.options.decode_gemv:
             decode_gemv.route_linears(graph, report=report, norms=self.options.norm_gemv)
         if self.options.invariant is not None:
-            invariant.make_batch_invariant(graph, report=report, strict=self.strict)
+            invariant.make_batch_invariant(graph, report=report, strict=self.strict, level=self.options.invariant)
         graph.lint()
         report.counts_after = count_collectives(graph)
         report.dispatched = dispatched_ops(graph)

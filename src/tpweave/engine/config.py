@@ -41,7 +41,7 @@ class EngineConfig:
     prefill_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
-    invariant: str | None = None  # "batch": CompileOptions.invariant (a request's tokens whatever shares its steps)
+    invariant: str | None = None  # CompileOptions.invariant: "batch" (whatever shares its steps), "tp" (and any TP)
     model_overrides: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,8 +55,8 @@ class EngineConfig:
         if self.prefill_graph_sizes is not None:
             sizes = check_sizes(self.prefill_graph_sizes, self.max_num_batched_tokens, "prefill_graph_sizes")
             object.__setattr__(self, "prefill_graph_sizes", tuple(sizes))
-        if self.invariant not in (None, "batch"):
-            raise ValueError(f"invariant must be None or 'batch', got {self.invariant!r}")
+        if self.invariant not in (None, "batch", "tp"):
+            raise ValueError(f"invariant must be None, 'batch' or 'tp', got {self.invariant!r}")
         if self.invariant is not None and not self.compile_model:
             raise ValueError("invariant='batch' needs compile_model=True: the compiler swaps the invariant kernels in")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -68,25 +68,33 @@ def _(x, num_token_dims, group_name, world_size):
     return x.new_empty(shard_rows(num_tokens, world_size), *x.shape[num_token_dims:])
 
 
+def tree_sum(parts: list[Tensor]) -> Tensor:
+    """The parts summed pairwise, neighbours first: ((p0 + p1) + (p2 + p3)) + ... A fixed order that does not depend on
+    the tensors' sizes, and for a power-of-two count the same binary tree whether its leaves are summed on one rank
+    or its subtrees on several (ops/invariant.py: the "tp" level)."""
+    while len(parts) > 1:
+        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + ([parts[-1]] if len(parts) % 2 else [])
+    return parts[0]
+
+
 def ordered_sum(parts: Tensor, dtype: torch.dtype) -> Tensor:
-    """parts (W, ...) summed in rank order in fp32: ((p0 + p1) + p2) + ..., in `dtype`. The order does not depend on
-    the tensor's size or on where a row sits in it (a backend's ring or tree reduction does)."""
-    acc = parts[0].float()
-    for r in range(1, parts.shape[0]):
-        acc = acc + parts[r].float()
-    return acc.to(dtype)
+    """parts (W, ...) summed in fp32 in one fixed order (tree_sum over the ranks), in `dtype`. The order does not depend
+    on the tensor's size or on where a row sits in it (a backend's ring or tree reduction does)."""
+    return tree_sum([parts[r].float() for r in range(parts.shape[0])]).to(dtype)
 
 
 def ordered_all_reduce(x: Tensor, group_name: str, world_size: int) -> Tensor:
-    """Sum of x over the ranks, every element in rank order (ordered_sum): the ranks' x all-gathered, then summed."""
+    """Sum of x over the ranks, every element in one fixed order (ordered_sum): the ranks' x all-gathered, then
+    summed."""
     parts = all_gather_dim0(x.contiguous().reshape(1, -1), world_size, group_name)
     return ordered_sum(parts, x.dtype).reshape(x.shape)
 
 
 @torch.library.custom_op("tpweave::ordered_reduce_scatter_tokens", mutates_args=())
 def ordered_reduce_scatter_tokens(x: Tensor, num_token_dims: int, group_name: str, world_size: int) -> Tensor:
-    """reduce_scatter_tokens with every row summed in rank order (ordered_sum): the same bits for a row whatever the
-    number of rows, and the same as ordered_all_reduce gives it."""
+    """reduce_scatter_tokens with every row summed in one fixed order (ordered_sum): the same bits for a row whatever
+    the number of rows, and the same as ordered_all_reduce gives it."""
     flat = _flatten_padded(x, num_token_dims, world_size)
     parts = all_gather_dim0(flat[None], world_size, group_name)  # (W, W * rows, *F)
     rows = flat.shape[0] // world_size

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from tpweave.ops import rope
+from tpweave.ops.collectives import all_gather_dim0, shard_rows, tree_sum
 
 ROW_TILE = 16  # rows per matmul call
 KV_CHUNK = 64  # key positions per attention step
@@ -247,3 +248,95 @@ def _(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=N
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
     return torch.empty_like(out), torch.empty_like(lse)
+
+
+# The "tp" level: every matmul's K in K_CHUNKS equal chunks, their fp32 products summed in one binary tree
+# (collectives.tree_sum). A row-parallel layer at TP = W holds K_CHUNKS / W of the chunks on each rank: it sums its own
+# subtree, and the ranks' subtrees are summed in the tree's upper levels, so TP = 1, 2, 4 and 8 give the same bits.
+# Columns run in tiles of COL_TILE, so a column's product does not depend on how many columns a rank holds.
+K_CHUNKS = 8
+COL_TILE = 64
+
+
+def _tree_mm(a: Tensor, b: Tensor, chunks: int) -> Tensor:
+    """a (M, K) @ b (K, N) in fp32, K in `chunks` chunks summed by tree_sum, each chunk's product over fixed
+    (ROW_TILE, K / chunks) x (K / chunks, COL_TILE) tiles."""
+    m, k = a.shape
+    n = b.shape[1]
+    if k % chunks:
+        raise ValueError(f"tree matmul: K = {k} is not a multiple of its {chunks} chunks")
+    kc = k // chunks
+    padded, _ = _tiles(a.contiguous())
+    pad_n = -n % COL_TILE
+    w = b.float()
+    if pad_n:
+        w = torch.cat([w, w.new_zeros(k, pad_n)], dim=1)
+    row_tiles, col_tiles = padded.shape[0] // ROW_TILE, w.shape[1] // COL_TILE
+    a_tiles = padded.float().reshape(row_tiles, ROW_TILE, chunks, kc).permute(2, 0, 1, 3).contiguous()
+    w_tiles = w.reshape(chunks, kc, col_tiles, COL_TILE).permute(0, 2, 1, 3).contiguous()
+    partials = [torch.matmul(a_tiles[c][:, None], w_tiles[c][None]) for c in range(chunks)]  # (R, C, T, COL_TILE)
+    out = tree_sum(partials).permute(0, 2, 1, 3).reshape(row_tiles * ROW_TILE, col_tiles * COL_TILE)
+    return out[:m, :n]
+
+
+@torch.library.custom_op("tpweave::tp_invariant_mm", mutates_args=())
+def tp_invariant_mm(a: Tensor, b: Tensor) -> Tensor:
+    """a (M, K) @ b (K, N) over the "tp" level's K chunks and tiles, in a's dtype."""
+    return _tree_mm(a, b, K_CHUNKS).to(a.dtype)
+
+
+@tp_invariant_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("tpweave::tp_invariant_addmm", mutates_args=())
+def tp_invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * bias + alpha * (a @ b), the product as tp_invariant_mm's."""
+    out = tp_invariant_mm(a, b)
+    if alpha != 1.0:
+        out = out * alpha
+    return out + (bias if beta == 1.0 else beta * bias)
+
+
+@tp_invariant_addmm.register_fake
+def _(bias, a, b, beta=1.0, alpha=1.0):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _rank_subtrees(a: Tensor, b: Tensor, group_name: str, world_size: int) -> Tensor:
+    """(W, M, N) fp32: every rank's subtree of a row-parallel product (its K_CHUNKS / W chunks), gathered."""
+    if K_CHUNKS % world_size:
+        raise ValueError(f"the tp level keeps results across TP sizes dividing {K_CHUNKS}, got {world_size}")
+    partial = _tree_mm(a, b, K_CHUNKS // world_size)
+    return all_gather_dim0(partial[None].contiguous(), world_size, group_name)
+
+
+@torch.library.custom_op("tpweave::tp_invariant_mm_all_reduce", mutates_args=())
+def tp_invariant_mm_all_reduce(a: Tensor, b: Tensor, group_name: str, world_size: int) -> Tensor:
+    """A row-parallel layer's a (M, K / W) @ b (K / W, N) summed over the ranks, with the bits of the whole product
+    at TP = 1 (the K_CHUNKS comment); in a's dtype."""
+    parts = _rank_subtrees(a, b, group_name, world_size)
+    return tree_sum(list(parts.unbind(0))).to(a.dtype)
+
+
+@tp_invariant_mm_all_reduce.register_fake
+def _(a, b, group_name, world_size):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("tpweave::tp_invariant_mm_reduce_scatter", mutates_args=())
+def tp_invariant_mm_reduce_scatter(a: Tensor, b: Tensor, group_name: str, world_size: int) -> Tensor:
+    """tp_invariant_mm_all_reduce's rows of this rank's token shard: (shard_rows(M), N)."""
+    m = a.shape[0]
+    rows = shard_rows(m, world_size)
+    if rows * world_size > m:
+        a = torch.cat([a, a.new_zeros(rows * world_size - m, a.shape[1])])
+    rank = torch.distributed.get_rank(torch.distributed.distributed_c10d._resolve_process_group(group_name))
+    parts = _rank_subtrees(a, b, group_name, world_size)[:, rank * rows : (rank + 1) * rows]
+    return tree_sum(list(parts.unbind(0))).to(a.dtype)
+
+
+@tp_invariant_mm_reduce_scatter.register_fake
+def _(a, b, group_name, world_size):
+    return a.new_empty(shard_rows(a.shape[0], world_size), b.shape[1])

@@ -1,7 +1,8 @@
-"""Ordered: every cross-rank sum in rank order, in fp32 (ops/collectives.py `ordered_sum`), and every matmul through
-the batch-invariant tiles (ops/invariant.py). What CompileOptions(invariant="batch") routes every site to at TP >= 2:
-a row's sum then does not depend on how many rows the collective carries, whichever graph (plain or SP) runs.
-Runs everywhere (CPU/gloo included); the gather moves world_size times a reduce-scatter's bytes."""
+"""Ordered: every cross-rank sum in one fixed order (a tree over the ranks), in fp32 (ops/collectives.py
+`ordered_sum`), and every matmul through the batch-invariant tiles (ops/invariant.py). What
+CompileOptions(invariant="batch") routes every site to at TP >= 2: a row's sum then does not depend on how many rows
+the collective carries, whichever graph (plain or SP) runs. Runs everywhere (CPU/gloo included); the gather moves
+world_size times a reduce-scatter's bytes."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def mm_rs(a, weight, group_name, world_size):
 
 
 def all_reduce(x, group_name, world_size):
-    """AllReduce in rank order."""
+    """AllReduce in one fixed order (ordered_sum)."""
     return ordered_all_reduce(x, group_name, world_size)
 
 
