@@ -222,6 +222,9 @@ def test_invariant_options_refuse_what_is_not_built():
     two = plan(CompileOptions(invariant="batch", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"), None)
     assert two.variants["plain"].all_reduce_policy == "ordered" and two.token_split_min_tokens is None
     assert two.variants["plain"].all_reduce_rms_norm_policy == "sequential" and not two.variants["sp"].async_tp
+    from tpweave.ops.strategies import STRATEGIES
+
+    assert not STRATEGIES["ordered"].candidate  # a guarantee, never timed by calibration as a candidate for speed
     one = plan(CompileOptions(invariant="batch"), TPGroup("", 0, 1, "none"), None)
     assert one.variants["plain"].invariant == "batch" and not one.variants["plain"].decode_gemv
     with pytest.raises(ValueError, match="compile_model=True"):

@@ -130,7 +130,7 @@ def bench_ops(
     probe = torch.empty(0, device=ctx.device, dtype=dtype)
     rows = []
     for site in _progress(sites, ctx, "ops"):
-        names = [n for n, s in STRATEGIES.items() if s.serves(site.kind) and s.available(probe)]
+        names = [n for n, s in STRATEGIES.items() if s.candidate and s.serves(site.kind) and s.available(probe)]
         w = (torch.randn(site.n, site.k, device=ctx.device, dtype=dtype) * site.k**-0.5).t()
         for m in tokens:
             rows_local = shard_rows(m, ctx.world_size)

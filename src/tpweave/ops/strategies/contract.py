@@ -151,6 +151,8 @@ class Strategy:
     mm_rs_rms_norm: MmRsRmsNorm | None = None
     # Whether this strategy can run on x's device, dtype and build (False: `sequential` runs instead).
     available: Callable[[Tensor], bool] = _always
+    # Whether calibration times it as a candidate for speed (False: a mode chosen for what it guarantees, e.g. ordered)
+    candidate: bool = True
 
     def implementation(self, kind: str) -> Callable | None:
         """The callable serving `kind`: the strategy's own slot, or for a fused norm kind its base op

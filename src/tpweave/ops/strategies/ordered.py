@@ -33,4 +33,4 @@ def all_reduce(x, group_name, world_size):
     return ordered_all_reduce(x, group_name, world_size)
 
 
-ORDERED = Strategy(name="ordered", ag_mm=ag_mm, mm_rs=mm_rs, all_reduce=all_reduce)
+ORDERED = Strategy(name="ordered", ag_mm=ag_mm, mm_rs=mm_rs, all_reduce=all_reduce, candidate=False)
