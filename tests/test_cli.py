@@ -70,8 +70,8 @@ def test_invariant_flag_refuses_the_uncompiled_model_before_any_rank(capsys):
     line = capsys.readouterr().err.strip()
     assert line == "tpweave: error: --invariant batch needs the compiled model: drop --no-compile", line
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--model", "tiny", "--invariant", "tp"])
-    assert e.value.code == 2 and "invalid choice: 'tp'" in capsys.readouterr().err
+        main(["generate", "--model", "tiny", "--invariant", "full"])
+    assert e.value.code == 2 and "invalid choice: 'full'" in capsys.readouterr().err
 
 
 def test_ranks_on_a_cpu_without_the_memory_for_the_model_stop_before_starting(monkeypatch, capsys):
