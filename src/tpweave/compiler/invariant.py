@@ -1,4 +1,4 @@
-"""Batch invariance (CompileOptions(invariant="batch")): the graph's matmuls and attention ops swapped for the
+"""Batch invariance (CompileOptions(invariant="batch" | "tp")): the graph's matmuls and attention ops swapped for the
 batch-invariant ones (ops/invariant.py), so each token's logits do not depend on the other tokens of its step.
 
 Before:                                         After:
@@ -10,6 +10,12 @@ Before:                                         After:
                                                     o = tpweave.invariant_sdpa_cpu(q, k, v, ...)
     auto_functionalized_v2(                         auto_functionalized_v2(
         tpweave.paged_attention, ...)                   tpweave.invariant_paged_attention, ...)
+
+Level "tp" (CompileOptions(invariant="tp"): the same bits at TP 1, 2, 4, 8; ops/invariant.py, K_CHUNKS) instead:
+    y = mm(x, wt)                                   y = tpweave.tp_invariant_mm(x, wt)
+    r = tpweave.all_reduce(mm(x, wt), g, W, p)      r = tpweave.tp_invariant_mm_all_reduce(x, wt, g, W)
+    r = tpweave.reduce_scatter_tokens(mm(x, wt), 1, g, W)
+                                                    r = tpweave.tp_invariant_mm_reduce_scatter(x, wt, g, W)
 
 The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
 every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
@@ -55,7 +61,7 @@ NOT_INVARIANT = {
 
 
 class NotInvariant(RuntimeError):
-    """A graph compiled with invariant="batch" and strict=True holds an op the pass cannot make invariant."""
+    """A graph compiled with invariant set and strict=True holds an op the pass cannot make invariant."""
 
 
 def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, level: str = "batch") -> None:
