@@ -1007,6 +1007,15 @@ def hf_tp_plan_outputs(ctx, arch, shapes, path):
     return _compiled_hf_logits(model, inputs, want)
 
 
+def _save_hf_llama(path, **dims):
+    """A random 2-layer transformers Llama of these dimensions (seed 0, pad token 0) saved at path."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, pad_token_id=0, **dims)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
 @torch.no_grad()
 def hf_generate_with_compiled_forward(ctx, path, prompts, max_new_tokens):
     """HF `generate` (prefill + decode with HF's KV cache) of a tiny Llama loaded with tp_plan="auto", its
@@ -1018,12 +1027,8 @@ def hf_generate_with_compiled_forward(ctx, path, prompts, max_new_tokens):
     import tpweave
 
     if ctx.rank == 0:
-        config = transformers.LlamaConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        _save_hf_llama(path, vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
     dist.barrier()
     unsharded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -1315,12 +1320,8 @@ def hf_invariant_logits(ctx, path):
 
     torch._dynamo.reset()
     if ctx.rank == 0:
-        config = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=64, max_position_embeddings=512, pad_token_id=0,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        _save_hf_llama(path, vocab_size=256, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, max_position_embeddings=512)  # fmt: skip
     if ctx.world_size > 1:
         dist.barrier()
         extra = {"distributed_config": transformers.DistributedConfig(tp_plan="auto")}

@@ -84,6 +84,9 @@ class ModelRunner:
         # invariant: its attention reads each sequence's lengths on the host (ops/invariant.py), which no CUDA graph
         # can capture, so its steps run without graphs
         graphs = config.cuda_graphs and self.on_cuda and config.invariant is None
+        if config.cuda_graphs and self.on_cuda and not graphs:
+            progress("invariant=%r: steps run without CUDA graphs (its attention reads lengths on the host)",
+                     config.invariant)  # fmt: skip
         self._pool = torch.cuda.graph_pool_handle() if graphs else None  # shared by every graph of this runner
         self.pieces: PiecewiseGraphs | None = None
         # Compiled at every TP: at TP=1 there is no communication to rewrite, but Inductor fuses the norms,

@@ -61,9 +61,12 @@ def _(a, b):
 @torch.library.custom_op("tpweave::invariant_addmm", mutates_args=())
 def invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """beta * bias + alpha * (a @ b), the product as invariant_mm's (elementwise after it: row-invariant)."""
-    out = _mm(a, b)
-    if alpha != 1.0:
-        out = out * alpha
+    return _scaled_add(_mm(a, b), bias, beta, alpha)
+
+
+def _scaled_add(product: Tensor, bias: Tensor, beta: float, alpha: float) -> Tensor:
+    """addmm's epilogue: beta * bias + alpha * product."""
+    out = product * alpha if alpha != 1.0 else product
     return out + (bias if beta == 1.0 else beta * bias)
 
 
@@ -293,10 +296,7 @@ def _(a, b):
 @torch.library.custom_op("tpweave::tp_invariant_addmm", mutates_args=())
 def tp_invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """beta * bias + alpha * (a @ b), the product as tp_invariant_mm's."""
-    out = tp_invariant_mm(a, b)
-    if alpha != 1.0:
-        out = out * alpha
-    return out + (bias if beta == 1.0 else beta * bias)
+    return _scaled_add(_tree_mm(a, b, K_CHUNKS).to(a.dtype), bias, beta, alpha)
 
 
 @tp_invariant_addmm.register_fake
