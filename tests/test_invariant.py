@@ -249,3 +249,44 @@ def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
     strict = compiler.compile(Batched(), options=CompileOptions(invariant="batch", strict=True))
     with pytest.raises(Exception, match="not batch-invariant"):
         strict(x, w)
+
+
+@pytest.mark.gpu(gpus=1)
+def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu():
+    """ops/invariant_kernels.py compiled on the GPU (bf16, llama3-8b's shapes): a row's matmul result alone, among
+    up to 2048 rows and at another place; a query's attention output in a prefill, a chunk after cached context, a
+    decode, and packed among other sequences: bitwise the same."""
+    from test_gpu_attention import _paged_case
+    from tpweave.ops import invariant_kernels
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((6144, 4096), (4096, 14336), (28672, 4096)):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        x = torch.randn(2048, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        full = invariant_kernels.matmul(x, w.t())
+        for m in (1, 7, 64, 65, 256, 1000):
+            assert torch.equal(invariant_kernels.matmul(x[:m], w.t()), full[:m]), (n, k, m)
+            assert torch.equal(invariant_kernels.matmul(x[300 : 300 + m], w.t()), full[300 : 300 + m]), (n, k, m)
+        torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)
+    # one sequence of 300 tokens: prefilled whole / in chunks of 100 after cached context / its last 20 decoded
+    args = _paged_case([300], [300], heads=32, kv_heads=8, head_dim=128, num_blocks=256)
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
+    k_cache[slots], v_cache[slots] = k_new, v_new
+    whole = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
+                                        block_size=bs, scale=scale)  # fmt: skip
+    for start, end in [(0, 100), (100, 200), (200, 300)] + [(p, p + 1) for p in range(280, 300)]:
+        part = invariant_kernels.attention(q[start:end], k_cache, v_cache, cu.new_tensor([0, end - start]),
+                                           context_lens=ctx.new_tensor([end]), block_tables=tables, block_size=bs,
+                                           scale=scale)  # fmt: skip
+        assert torch.equal(part, whole[start:end]), (start, end)
+    # the decodes packed with 63 other sequences' decodes and a chunk (the other sequences' blocks elsewhere)
+    others = _paged_case([1] * 63 + [37], [900] * 63 + [600], heads=32, kv_heads=8, head_dim=128, num_blocks=4096,
+                         seed=1)  # fmt: skip
+    oq, _, _, ok_cache, ov_cache, _, ocu, octx, otables, _, _ = others
+    ok_cache[: 256 * bs], ov_cache[: 256 * bs] = k_cache, v_cache  # this sequence's blocks, in the same pool
+    otables = torch.nn.functional.pad(otables, (0, max(0, tables.shape[1] - otables.shape[1])))
+    tab = torch.nn.functional.pad(tables, (0, otables.shape[1] - tables.shape[1]))
+    mixed = invariant_kernels.attention(torch.cat([oq, q[299:300]]), ok_cache, ov_cache,
+                                        torch.cat([ocu, ocu[-1:] + 1]), context_lens=torch.cat([octx, ctx]),
+                                        block_tables=torch.cat([otables, tab]), block_size=bs, scale=scale)  # fmt: skip
+    assert torch.equal(mixed[-1:], whole[299:300])

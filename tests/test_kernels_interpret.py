@@ -87,3 +87,53 @@ def test_paged_prefill_kernel_in_the_interpreter():
 def test_flash_prefill_kernel_in_the_interpreter():
     """The fresh kernel == the per-sequence reference over packed sequences, an empty one included."""
     _run_in_interpreter("_check_flash_prefill")
+
+
+def _check_invariant_kernels() -> None:
+    import torch
+
+    from test_gpu_attention import _paged_case
+    from tpweave.ops import attention, invariant_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    # matmul: K not a multiple of BLOCK_K, a transposed weight view, rows past one tile; addmm's epilogue
+    a = torch.randn(70, 100, generator=gen).half()
+    w = torch.randn(90, 100, generator=gen).half()
+    bias = torch.randn(90, generator=gen).half()
+    ref = a.float() @ w.float().t()
+    torch.testing.assert_close(invariant_kernels.matmul(a, w.t()).float(), ref, atol=2e-2, rtol=2e-3)
+    got = invariant_kernels.matmul(a, w.t(), bias, beta=0.5, alpha=2.0).float()
+    torch.testing.assert_close(got, 2 * ref + 0.5 * bias.float(), atol=4e-2, rtol=2e-3)
+    for rows in (slice(0, 1), slice(33, 70)):  # a row alone and in another place: the same bits
+        assert torch.equal(invariant_kernels.matmul(a[rows], w.t()), invariant_kernels.matmul(a, w.t())[rows])
+    # paged: decodes, a chunk after cached context, a fresh sequence longer than one tile, an empty row
+    for heads, kv_heads in [(8, 2), (12, 4), (4, 4)]:  # groups of 4, 3 (padded to 4), 1 (64 tokens a tile)
+        q_lens, ctx_lens = [1, 20, 0, 90, 1], [70, 150, 3, 90, 1]
+        q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, _ = _paged_case(
+            q_lens, ctx_lens, heads=heads, kv_heads=kv_heads, head_dim=32, num_blocks=64, device="cpu",
+            dtype=torch.float16)  # fmt: skip
+        k_cache[slots], v_cache[slots] = k_new, v_new
+        ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs,
+                                                   0.2)  # fmt: skip
+        got = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
+                                          block_size=bs, scale=0.2)  # fmt: skip
+        torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+        # the chunk's last token as a decode of its own (context 150, one new token): its row's bits
+        last = invariant_kernels.attention(q[20:21], k_cache, v_cache, cu.new_tensor([0, 1]), context_lens=ctx[1:2],
+                                           block_tables=tables[1:2], block_size=bs, scale=0.2)  # fmt: skip
+        assert torch.equal(last[0], got[20])
+    # packed: its own K/V
+    lens = [5, 0, 70, 17]
+    qkv = torch.randn(sum(lens), 8 + 4, 32, generator=gen).half()
+    q, k, v = qkv.split([8, 2, 2], dim=1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, 0.2)
+    got = invariant_kernels.attention(q, k, v, cu, scale=0.2)
+    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_invariant_kernels_in_the_interpreter():
+    """The batch-invariant Triton matmul and attention (ops/invariant_kernels.py) == fp32 references, through their
+    tiling and masking (K tails, tiles across tokens and GQA rows, chunks of cached context, empty sequences), and a
+    row alone == the same row among others."""
+    _run_in_interpreter("_check_invariant_kernels")

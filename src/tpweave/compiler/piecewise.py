@@ -41,7 +41,13 @@ import torch
 
 # Ops that cut the piecewise graphs: opaque to Inductor, shapes that vary per step (ops/attention.py), and the
 # selection of the rows whose logits are wanted (the number of sequences, not of tokens).
-PIECEWISE_CUT_OPS = ("tpweave::attention", "tpweave::paged_attention", "tpweave::select_rows")
+PIECEWISE_CUT_OPS = (
+    "tpweave::attention",
+    "tpweave::paged_attention",
+    "tpweave::select_rows",
+    "tpweave::invariant_attention",  # compiler/invariant.py's swaps
+    "tpweave::invariant_paged_attention",
+)
 
 
 def _weak(t: torch.Tensor) -> torch.Tensor:

@@ -81,12 +81,12 @@ class ModelRunner:
         self.pad_block = num_blocks  # never handed out
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
-        # invariant: its attention reads each sequence's lengths on the host (ops/invariant.py), which no CUDA graph
-        # can capture, so its steps run without graphs
-        graphs = config.cuda_graphs and self.on_cuda and config.invariant is None
+        # invariant: graphs where ops/invariant_kernels.py's Triton kernels take the model (no host sync); the
+        # reference path they fall back to reads each sequence's lengths on the host, which no graph can capture
+        graphs = config.cuda_graphs and self.on_cuda and (config.invariant is None or self._invariant_kernels())
         if config.cuda_graphs and self.on_cuda and not graphs:
-            progress("invariant=%r: steps run without CUDA graphs (its attention reads lengths on the host)",
-                     config.invariant)  # fmt: skip
+            progress("invariant=%r: steps run without CUDA graphs (its kernels for this model read lengths on the "
+                     "host)", config.invariant)  # fmt: skip
         self._pool = torch.cuda.graph_pool_handle() if graphs else None  # shared by every graph of this runner
         self.pieces: PiecewiseGraphs | None = None
         # Compiled at every TP: at TP=1 there is no communication to rewrite, but Inductor fuses the norms,
@@ -149,6 +149,16 @@ class ModelRunner:
         self.model.set_kv_cache(None)
 
     # -- memory -----------------------------------------------------------------------------------
+    def _invariant_kernels(self) -> bool:
+        """Whether invariant mode runs on ops/invariant_kernels.py's graph-safe Triton kernels here: level "batch"
+        (the "tp" level's tree products are the reference path), a dtype and head shapes they take."""
+        from tpweave.ops import invariant_kernels
+
+        cfg = self.model.config
+        q = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.ctx.device)
+        kv = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.ctx.device)
+        return self.config.invariant == "batch" and invariant_kernels.attention_supported(q, kv)
+
     def _blocks_from_free_memory(self, num_tokens: int, utilization: float) -> int:
         """Blocks that fit in utilization x GPU memory after weights and the peak of a warm-up step."""
         progress("sizing the KV cache: a warm-up step of %d tokens", num_tokens)

@@ -15,7 +15,9 @@ merged chunk by chunk. A chunk wholly past a query's position adds exact zeros (
 so how many chunks its tile walks does not change it. The paged form writes the new K/V into the page pool first and
 always reads the context from the pool, so a prefill and a later decode read the same stored values.
 
-These are the CPU path, and a correct but unoptimized path on CUDA (one launch per tile).
+These are the CPU path, and the CUDA path where ops/invariant_kernels.py's Triton kernels do not take the inputs
+(e.g. fp32, a head dim that is not a power of 2). Where they do, one Triton launch per matmul or attention call, with
+the same guarantees (that module's doc), replaces the tile loops.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from tpweave.ops import rope
+from tpweave.ops import invariant_kernels, rope
 from tpweave.ops.collectives import all_gather_dim0, shard_rows, tree_sum
 
 ROW_TILE = 16  # rows per matmul call
@@ -40,6 +42,8 @@ def _tiles(a: Tensor) -> tuple[Tensor, int]:
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
+    if invariant_kernels.mm_supported(a, b):
+        return invariant_kernels.matmul(a, b)
     padded, m = _tiles(a.contiguous())
     out = a.new_empty(padded.shape[0], b.shape[1])
     for start in range(0, padded.shape[0], ROW_TILE):
@@ -61,6 +65,8 @@ def _(a, b):
 @torch.library.custom_op("tpweave::invariant_addmm", mutates_args=())
 def invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """beta * bias + alpha * (a @ b), the product as invariant_mm's (elementwise after it: row-invariant)."""
+    if invariant_kernels.mm_supported(a, b):
+        return invariant_kernels.matmul(a, b, bias, beta, alpha)
     return _scaled_add(_mm(a, b), bias, beta, alpha)
 
 
@@ -117,6 +123,8 @@ def _attend(q_nHD: Tensor, pos_n: Tensor, k_LKD: Tensor, v_LKD: Tensor, scale: f
 @torch.library.custom_op("tpweave::invariant_attention", mutates_args=())
 def invariant_attention(q_MHD: Tensor, k_MKD: Tensor, v_MKD: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
     """tpweave::attention's contract (ops/attention.py), batch-invariant (module doc)."""
+    if invariant_kernels.attention_supported(q_MHD, k_MKD):
+        return invariant_kernels.attention(q_MHD, k_MKD, v_MKD, cu_seqlens, scale=scale)
     out = q_MHD.new_empty(q_MHD.shape)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -155,6 +163,9 @@ def invariant_paged_attention(
         q_MHD, k_MKD = rope.rotate(q_MHD, cos_sin, positions), rope.rotate(k_MKD, cos_sin, positions)
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+    if invariant_kernels.attention_supported(q_MHD, k_cache):
+        return invariant_kernels.attention(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens=context_lens,
+                                           block_tables=block_tables, block_size=block_size, scale=scale)  # fmt: skip
     out = q_MHD.new_empty(q_MHD.shape)
     bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -1,0 +1,234 @@
+"""Triton kernels for the batch-invariant ops on CUDA (ops/invariant.py dispatches to them where `mm_supported` /
+`attention_supported` say so): one launch per matmul or attention call, no host sync, so CUDA graphs capture them.
+
+Matmul, C (M, N) = A (M, K) @ B (K, N): a program owns one (BLOCK_M, BLOCK_N) tile of C and walks K in BLOCK_K steps,
+in order, accumulating in fp32 (tl.dot into the accumulator). No split-K, no stream-K, and one tiling (MM_TILING) at
+every M: an element of C is reduced the same way whatever M is and wherever its row sits.
+
+Attention, over a paged pool or a packed batch: a program owns one kv head and a tile of TOKENS consecutive new
+tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows, fixed per model). It walks the
+keys in chunks of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last query position: scores
+through tl.dot, a causal mask (key position <= the row's query position), an fp32 online softmax. A chunk wholly past a
+row's position adds exact zeros to it (running max, sum and output unchanged), so a row's result does not depend on
+which tile it is in, how many tokens the tile holds, or whether the step is a prefill, a chunk or a decode.
+
+Tiles without a host sync: sequence b's new tokens take cdiv(q_len_b, TOKENS) tiles; the grid has the upper bound
+cdiv(M, TOKENS) + B programs per kv head, and a program finds its sequence in the tiles' running count (searchsorted
+on the device); those past the last tile exit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: ops/invariant.py's reference path
+    triton = None
+
+KV_CHUNK = 64  # key positions per attention step (ops/invariant.py's CPU path walks the same chunks)
+ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per attention program: one wgmma's M
+
+
+@dataclass(frozen=True)
+class MatmulTiling:
+    """The one tiling of every invariant matmul (at every M): what decides an element's reduction order is block_k
+    and the K loop; block_m / block_n / warps / stages shape the launch."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8  # programs of GROUP_M row tiles walk the same columns together (L2 reuse; no effect on results)
+
+
+MM_TILING = MatmulTiling()
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def mm_supported(a: Tensor, b: Tensor) -> bool:
+    """Whether the Triton matmul takes a @ b: CUDA, fp16/bf16 of one dtype, 2-D."""
+    return triton is not None and a.is_cuda and a.dtype in _DTYPES and b.dtype == a.dtype and a.dim() == b.dim() == 2
+
+
+def attention_supported(q_MHD: Tensor, k: Tensor) -> bool:
+    """Whether the Triton attention takes these inputs: CUDA, fp16/bf16 q and K/V of its dtype, a head dim that is a
+    power of 2 >= 16, at most ATTENTION_ROWS q heads per kv head."""
+    d = q_MHD.shape[-1]
+    return (
+        triton is not None
+        and q_MHD.is_cuda
+        and q_MHD.dtype in _DTYPES
+        and k.dtype == q_MHD.dtype
+        and d >= 16
+        and d & (d - 1) == 0
+        and q_MHD.shape[1] // k.shape[1] <= ATTENTION_ROWS
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                   stride_cn, stride_bias_m, stride_bias_n, beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_in_group
+        pid_n = (pid % per_group) // rows_in_group
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if SCALED:
+            acc = acc * alpha
+        if HAS_BIAS:
+            bias_ptrs = bias_ptr + rm[:, None].to(tl.int64) * stride_bias_m + rn[None, :] * stride_bias_n
+            bias = tl.load(bias_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0).to(tl.float32)
+            acc = acc + beta * bias
+        c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, tile_seq_ptr, tile_first_ptr,
+                          num_seqs, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_om,
+                          stride_oh, stride_tb, block_size, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                          TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                          PAGED: tl.constexpr):  # fmt: skip
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.load(tile_seq_ptr + tile)
+        if seq >= num_seqs:
+            return
+        q_start = tl.load(cu_ptr + seq)
+        num_q = tl.load(cu_ptr + seq + 1) - q_start
+        if PAGED:
+            kv_len = tl.load(ctx_ptr + seq)
+        else:  # a packed batch: a sequence's context is its own new tokens, stored at its rows
+            kv_len = num_q
+        t0 = (tile - tl.load(tile_first_ptr + seq)) * TOKENS  # the tile's first token among the sequence's new ones
+        r = tl.arange(0, TOKENS * GROUP_PAD)
+        tok = t0 + r // GROUP_PAD
+        g = r % GROUP_PAD
+        row_ok = (tok < num_q) & (g < GROUP)
+        pos = kv_len - num_q + tok  # each row's query position
+        d = tl.arange(0, HEAD_DIM)
+        q_rows = (q_start + tok).to(tl.int64)
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # fmt: skip
+        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
+        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
+        last = tl.minimum(kv_len, kv_len - num_q + t0 + TOKENS)  # keys the tile's last row sees, + 1
+        for c0 in range(0, last, CHUNK):
+            t = c0 + tl.arange(0, CHUNK)
+            t_ok = t < kv_len
+            if PAGED:
+                block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
+                slot = block.to(tl.int64) * block_size + t % block_size
+            else:
+                slot = (q_start + t).to(tl.int64)
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key (padding rows)
+            alpha = tl.exp(m_i - safe)
+            p = tl.exp(s - safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """a (M, K) @ b (K, N) (any strides), or alpha * (a @ b) + beta * bias (broadcast to (M, N)), in a's dtype
+    (module doc: the product's reduction order; the epilogue is elementwise, in fp32)."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = a.new_empty(m, n)
+    if m == 0 or n == 0:
+        return out
+    if bias is not None:
+        bias = torch.broadcast_to(bias, (m, n))
+    t = MM_TILING
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _mm_kernel[grid](
+        a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
+        HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _group_pad(group: int) -> int:
+    return max(1, 1 << (group - 1).bit_length())
+
+
+def attention(
+    q_MHD: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    *,
+    context_lens: Tensor | None = None,
+    block_tables: Tensor | None = None,
+    block_size: int = 1,
+    scale: float,
+) -> Tensor:
+    """Causal attention of each sequence's new tokens (module doc). Paged (context_lens and block_tables given): k / v
+    (slots, K, D) the page pool, the new tokens' K/V already in it. Packed: k / v (M, K, D) the new tokens' own."""
+    q_MHD, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_MHD, k, v))
+    num_tokens, num_heads, head_dim = q_MHD.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    group_pad = _group_pad(group)
+    tokens = max(1, ATTENTION_ROWS // group_pad)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = q_MHD.new_zeros(q_MHD.shape)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cu = cu_seqlens_q.to(torch.int32)
+    tiles = (cu[1:] - cu[:-1] + tokens - 1) // tokens  # (B,) tiles per sequence
+    tiles_end = tiles.cumsum(0).to(torch.int32)
+    tile_first = (tiles_end - tiles).to(torch.int32)
+    grid_tiles = triton.cdiv(num_tokens, tokens) + num_seqs
+    tile_seq = torch.searchsorted(tiles_end, torch.arange(grid_tiles, device=q_MHD.device, dtype=torch.int32),
+                                  right=True).to(torch.int32)  # fmt: skip
+    paged = block_tables is not None
+    if paged:
+        ctx, tables = context_lens.to(torch.int32), block_tables
+        stride_tb = tables.stride(0)
+    else:
+        ctx, tables, stride_tb = cu, cu, 0
+    _attention_kernel[(grid_tiles, num_kv)](
+        q_MHD, k, v, out, cu, ctx, tables, tile_seq, tile_first, num_seqs, q_MHD.stride(0), q_MHD.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
+        float(scale), GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK,
+        PAGED=paged, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
