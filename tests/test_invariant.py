@@ -97,10 +97,10 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
     torch._dynamo.reset()
     engine = LLMEngine(TPContext.single(device), "tiny", **config)
     runner = engine.runner
-    if pad_to is not None:  # the padding the piecewise CUDA graphs bring, on a CPU
+    if pad_to is not None and runner.pieces is None:  # the padding the piecewise CUDA graphs bring, on a CPU
         runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
     seen: dict[tuple, torch.Tensor] = {}
-    forward, launch = runner.forward, runner.launch
+    forward, launch, decode_with_graph = runner.forward, runner.launch, runner._decode_with_graph
 
     def recording_launch(chunks):
         step = {}
@@ -109,11 +109,17 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
             step["logits"] = forward(*args)
             return step["logits"]
 
-        runner.forward = recording_forward
+        def recording_decode(*args):  # a decode step replayed from its CUDA graph
+            logits = decode_with_graph(*args)
+            if logits is not None:
+                step["logits"] = logits
+            return logits
+
+        runner.forward, runner._decode_with_graph = recording_forward, recording_decode
         try:
             out = launch(chunks)
         finally:
-            runner.forward = forward
+            runner.forward, runner._decode_with_graph = forward, decode_with_graph
         for b, c in enumerate(chunks):
             if c.samples:
                 seen[tuple(c.seq.tokens(0, c.start + c.num_tokens))] = step["logits"][b].clone()
@@ -121,6 +127,7 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
 
     runner.launch = recording_launch
     results = engine.generate(prompts, params or SamplingParams(max_tokens=6))
+    _engine_logits.step_stats = dict(runner.step_stats)  # how the steps ran (CUDA graphs or not)
     return results, seen
 
 
@@ -130,7 +137,7 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
 def test_engine_request_logits_alone_equal_among_others(device, dtype):
     """Each request alone, then all together in steps of at most 16 tokens (chunked prefill, mixed steps), with too
     few KV blocks for all (preemption), and with steps padded as for piecewise graphs: every sampled token's logits
-    bitwise the same as alone (on a GPU: cuBLAS and torch's kernels on the fixed tiles)."""
+    bitwise the same as alone (on a GPU: ops/invariant_kernels.py's kernels, its decode and piecewise CUDA graphs)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
     config = dict(dtype=dtype, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
@@ -147,6 +154,9 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
         assert set(seen) <= set(alone) and len(seen) == len(alone) == 5 * 6
         for key, logits in seen.items():
             assert torch.equal(logits, alone[key]), (blocks, pad_to, len(key))
+        if device == "cuda":  # the graph paths ran: decode graphs and piecewise prefill graphs
+            stats = _engine_logits.step_stats
+            assert stats["decode_graph"] > 0 and stats["piecewise"] > 0, stats
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
 
 

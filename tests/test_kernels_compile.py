@@ -209,8 +209,8 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_silu_mul_kernel",
         "_flash_prefill_kernel",
         "_paged_prefill_kernel",
-        "_mm_kernel",
-        "_attention_kernel",
+        "_invariant_matmul_kernel",
+        "_invariant_attention_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):
@@ -271,16 +271,18 @@ def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
 
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_invariant_matmul_kernel_compiles(has_bias):
-    """The batch-invariant matmul at its one tiling, on the tensor cores' warpgroup MMA."""
+    """The batch-invariant matmul at its tilings, on the tensor cores' warpgroup MMA."""
     from tpweave.ops import invariant_kernels
 
-    fn, t = invariant_kernels._mm_kernel, invariant_kernels.MM_TILING
+    fn, t = invariant_kernels._invariant_matmul_kernel, invariant_kernels.SMALL_M_TILING
     types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", M="i32", N="i32", K="i32")
     types |= dict(beta="fp32", alpha="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m)  # fmt: skip
-    ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
-    assert "wgmma.mma_async" in ptx
+    for t in (invariant_kernels.SMALL_M_TILING, invariant_kernels.LARGE_M_TILING):
+        meta |= dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m)
+        ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        assert "wgmma.mma_async" in ptx
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -288,7 +290,7 @@ def test_invariant_matmul_kernel_compiles(has_bias):
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     from tpweave.ops import invariant_kernels
 
-    fn = invariant_kernels._attention_kernel
+    fn = invariant_kernels._invariant_attention_kernel
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
     types |= dict(tables_ptr="*i32", tile_seq_ptr="*i32", tile_first_ptr="*i32", num_seqs="i32", block_size="i32")
     types |= dict(scale="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}

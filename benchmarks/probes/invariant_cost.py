@@ -15,7 +15,7 @@ from tpweave.bench.stats import BOOTSTRAP_RESAMPLES, CONFIDENCE
 
 FIELDS = {"engine_decode": ("step_ms",), "engine_prefill": ("single_call_ms", "request_ms"),
           "engine_mixed": ("single_call_ms",)}  # fmt: skip
-KEYS = {"engine_decode": "batch", "engine_prefill": "tokens", "engine_mixed": "batch"}
+KEYS = {"engine_decode": "batch", "engine_prefill": "tokens", "engine_mixed": "tokens"}
 
 
 def unpaired_ratio(arm: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:

@@ -159,13 +159,19 @@ def invariant_paged_attention(
     """tpweave::paged_attention's contract (ops/attention.py), batch-invariant: the new K/V written to the pool, then
     every sequence's queries over its context read from the pool (`fresh` is not used: a prefill reads what a later
     decode of the same sequence will read)."""
+    if invariant_kernels.attention_supported(q_MHD, k_cache):
+        if cos_sin is not None:  # RoPE and the KV write in one kernel (row-wise: each token alone)
+            q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions, store=(v_MKD, k_cache, v_cache,
+                                                                                   slot_mapping))  # fmt: skip
+        else:
+            k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
+            v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+        return invariant_kernels.attention(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens=context_lens,
+                                           block_tables=block_tables, block_size=block_size, scale=scale)  # fmt: skip
     if cos_sin is not None:
         q_MHD, k_MKD = rope.rotate(q_MHD, cos_sin, positions), rope.rotate(k_MKD, cos_sin, positions)
     k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
-    if invariant_kernels.attention_supported(q_MHD, k_cache):
-        return invariant_kernels.attention(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens=context_lens,
-                                           block_tables=block_tables, block_size=block_size, scale=scale)  # fmt: skip
     out = q_MHD.new_empty(q_MHD.shape)
     bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -36,18 +36,29 @@ ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per a
 
 @dataclass(frozen=True)
 class MatmulTiling:
-    """The one tiling of every invariant matmul (at every M): what decides an element's reduction order is block_k
-    and the K loop; block_m / block_n / warps / stages shape the launch."""
+    """A launch shape of the invariant matmul. An element's reduction order is set by BLOCK_K and the K loop, fixed
+    for every tiling; block_m / block_n / warps / stages shape the launch only (one H200 gave the same bits with every
+    tiling tried, benchmarks/probes/invariant_mm_probe.py; tests/test_invariant.py checks rows across the switch)."""
 
     block_m: int = 64
     block_n: int = 64
-    block_k: int = 64
+    block_k: int = 64  # never varied: part of the reduction order
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 6
     group_m: int = 8  # programs of GROUP_M row tiles walk the same columns together (L2 reuse; no effect on results)
 
 
-MM_TILING = MatmulTiling()
+# few rows (decode): small tiles, deep pipelining (the weights' bytes in flight); many: 128 x 128 tiles (compute)
+SMALL_M_TILING = MatmulTiling()
+LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
+LARGE_M = 128  # rows from which LARGE_M_TILING runs
+
+
+def tiling_for(m: int) -> MatmulTiling:
+    """The launch shape for M rows (shapes only: a CUDA graph's bucket fixes it)."""
+    return LARGE_M_TILING if m > LARGE_M else SMALL_M_TILING
+
+
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -74,8 +85,8 @@ def attention_supported(q_MHD: Tensor, k: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                   stride_cn, stride_bias_m, stride_bias_n, beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+    def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -109,8 +120,8 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, tile_seq_ptr, tile_first_ptr,
-                          num_seqs, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_om,
+    def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, tile_seq_ptr,
+                          tile_first_ptr, num_seqs, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_om,
                           stride_oh, stride_tb, block_size, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                           TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
                           PAGED: tl.constexpr):  # fmt: skip
@@ -174,9 +185,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         return out
     if bias is not None:
         bias = torch.broadcast_to(bias, (m, n))
-    t = MM_TILING
+    t = tiling_for(m)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _mm_kernel[grid](
+    _invariant_matmul_kernel[grid](
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
@@ -225,7 +236,7 @@ def attention(
         stride_tb = tables.stride(0)
     else:
         ctx, tables, stride_tb = cu, cu, 0
-    _attention_kernel[(grid_tiles, num_kv)](
+    _invariant_attention_kernel[(grid_tiles, num_kv)](
         q_MHD, k, v, out, cu, ctx, tables, tile_seq, tile_first, num_seqs, q_MHD.stride(0), q_MHD.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
         float(scale), GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK,
