@@ -86,9 +86,9 @@ if triton is not None:
 
     @triton.jit
     def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                   stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):  # fmt: skip
+                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
+                                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -121,10 +121,10 @@ if triton is not None:
 
     @triton.jit
     def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, tile_seq_ptr,
-                          tile_first_ptr, num_seqs, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_om,
-                          stride_oh, stride_tb, block_size, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                          TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                          PAGED: tl.constexpr):  # fmt: skip
+                                    tile_first_ptr, num_seqs, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, stride_om, stride_oh, stride_tb, block_size, scale,
+                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
+                                    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile)
