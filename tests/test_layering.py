@@ -1,4 +1,4 @@
-"""tpweave's imports flow one way, runtime -> ops -> models -> tuning -> compiler -> engine -> bench -> cli,
+"""tpweave's imports flow one way, runtime -> ops -> models -> tuning -> compiler -> engine -> server -> bench -> cli,
 with no import cycle anywhere (function-level imports included; `if TYPE_CHECKING:` blocks excluded).
 Parsed from the sources, nothing imported."""
 
@@ -25,6 +25,7 @@ LAYERS = [
     "tuning",
     "compiler",
     "engine",
+    "server",
     "bench",
     "cli",
     "__main__",

@@ -287,19 +287,6 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
     return records
 
 
-def warm_up(engine) -> None:
-    """Compile every graph the run will meet (both SP and plain variants) before timing: one step
-    of the largest M the scheduler can form, and a short prompt."""
-    from tpweave.engine import SamplingParams
-
-    sched = engine.scheduler
-    longest = min(sched.max_num_batched_tokens, sched.max_model_len - 4)
-    results = engine.generate([[1] * longest, [1] * 7], SamplingParams(max_tokens=3))
-    errors = [r["error"] for r in results if r["error"]]
-    if errors:
-        raise RuntimeError(f"warm-up requests failed: {errors}")
-
-
 def release_engine(engine) -> None:
     """Free an engine's KV cache, CUDA graphs and compiled code before the next arm builds its own
     (the caller must drop its reference too)."""

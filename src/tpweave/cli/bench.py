@@ -183,7 +183,7 @@ def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed,
     and round (seeded). (rows per (cell, arm), records per (arm, cell, round), the orders)."""
     import random
 
-    from tpweave.bench.serve import SERVE_ARMS, release_engine, run_requests, serve_rows, warm_up
+    from tpweave.bench.serve import SERVE_ARMS, release_engine, run_requests, serve_rows
     from tpweave.bench.timing import many_compiles
     from tpweave.engine import LLMEngine
 
@@ -193,7 +193,7 @@ def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed,
             share = {"gpu_memory_utilization": 0.9 * (i + 1) / len(arms)}
             engines[arm] = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, **share,
                                      **{**engine_kwargs, **SERVE_ARMS[arm]})  # fmt: skip
-            warm_up(engines[arm])
+            engines[arm].warm_up()
     rng = random.Random(seed)
     records, orders = {}, []
     for rnd in range(rounds):

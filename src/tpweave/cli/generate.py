@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import random
-from pathlib import Path
 
 from tpweave.cli.common import check_invariant, model_config, rank_options
 from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
 from tpweave.cli.ranks import run_ranks
 from tpweave.log import progress
 from tpweave.models.config import DTYPES
+from tpweave.models.tokenizer import load_tokenizer
 
 
 def generate_worker(ctx, model, prompts, sampling, engine_kwargs) -> list[dict]:
@@ -23,16 +23,6 @@ def generate_worker(ctx, model, prompts, sampling, engine_kwargs) -> list[dict]:
     results = engine.generate(prompts, SamplingParams(**sampling))
     progress("done: %d step(s)", engine.num_steps)
     return results
-
-
-def _tokenizer(model: str):
-    if not Path(model).is_dir() or not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        return None
-    return AutoTokenizer.from_pretrained(model)
 
 
 def _prompts(args: argparse.Namespace, vocab_size: int, tok) -> list[list[int]]:
@@ -69,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
     check_invariant(args)
-    tok = _tokenizer(args.model)
+    tok = load_tokenizer(args.model)
     prompts = _prompts(args, cfg.vocab_size, tok)
     engine_kwargs = {
         "dtype": DTYPES[args.dtype],

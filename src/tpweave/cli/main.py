@@ -12,12 +12,14 @@ from tpweave.cli.generate import cmd_generate
 from tpweave.cli.parser import build_parser
 from tpweave.cli.ranks import launcher_in_use
 from tpweave.cli.report import cmd_report
+from tpweave.cli.serve import cmd_serve
 from tpweave.log import configure_from_env
 
 COMMANDS = {
     "demo": cmd_demo,
     "calibrate": cmd_calibrate,
     "generate": cmd_generate,
+    "serve": cmd_serve,
     "bench layer": cmd_bench_layer,
     "bench latency": cmd_bench_latency,
     "bench serve": cmd_bench_serve,

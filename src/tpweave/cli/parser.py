@@ -251,6 +251,33 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     _invariant(gen)
     gen.set_defaults(fn=commands["generate"])
 
+    srv = command("serve", "an OpenAI-compatible HTTP server over the engine (/v1/completions, /v1/chat/completions)")
+    _model(srv, "tiny")
+    _ranks(srv, timeout=float("inf"))
+    srv.set_defaults(tp=1)
+    _dtype(srv, "bfloat16")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set TPWEAVE_API_KEY)")
+    srv.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step at most")
+    srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="tokens per step at most")
+    srv.add_argument("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for the engine")
+    srv.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    srv.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
+                     help="KV-cache blocks (default: from free GPU memory; 256 on CPU)")  # fmt: skip
+    srv.add_argument("--max-pending", type=positive_int, default=1024,
+                     help="requests held at once (running and queued); more get 503")  # fmt: skip
+    srv.add_argument("--shutdown-timeout", type=positive_float, default=30.0,
+                     help="seconds requests in flight get to finish after SIGINT / SIGTERM, then aborted")  # fmt: skip
+    srv.add_argument("--num-layers", type=positive_int, default=None, help="override the model's layer count")
+    srv.add_argument("--baseline", action="store_true", help="plain TP (NCCL all-reduce), no SP / async TP")
+    srv.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    srv.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
+    _invariant(srv)
+    srv.set_defaults(fn=commands["serve"])
+
     bench = command("bench", "benchmarks: layer, latency, serve, engine")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True, parser_class=Parser)
     layer = command("layer", "per layer and per op: baseline, SP, SP + fused ops, auto, compute-only", bench_sub)

@@ -58,6 +58,19 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def warm_up(self) -> None:
+        """Compile every graph serving will meet (the SP and plain variants, the CUDA graphs) before the first
+        request: a step of the largest token count the scheduler can form, and a short prompt."""
+        longest = min(self.scheduler.max_num_batched_tokens, self.scheduler.max_model_len - 4)
+        results = self.generate([[1] * longest, [1] * 7], SamplingParams(max_tokens=3))
+        errors = [r["error"] for r in results if r["error"]]
+        if errors:
+            raise RuntimeError(f"warm-up requests failed: {errors}")
+
+    def abort(self, seq: Sequence) -> None:
+        """End a queued or running request now: its KV blocks are free again, its finish_reason is "abort"."""
+        self.scheduler.abort(seq)
+
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running, or has tokens in flight."""
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -169,6 +169,18 @@ class Scheduler:
             seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
         )
 
+    def abort(self, seq: Sequence) -> None:
+        """End a waiting or running request now (its client left): its KV blocks freed, finish_reason "abort". A token
+        of it still in flight is dropped when its step is read back (postprocess skips ended sequences)."""
+        if seq.is_done:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
     def _fail(self, seq: Sequence, error: str) -> None:
         self.blocks.free(seq)
         seq.status, seq.error = SequenceStatus.FAILED, error
