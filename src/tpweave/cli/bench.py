@@ -244,6 +244,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
     from tpweave.bench.serve import SERVE_ARMS
 
+    if args.backend == "openai":
+        return _bench_serve_http(args)
+    if args.base_url is not None:
+        raise CLIError("--base-url goes with --backend openai")
     cfg = model_config(args, **({"num_layers": args.num_layers} if args.num_layers else {}))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or any(a not in SERVE_ARMS for a in arms) or len(set(arms)) != len(arms):
@@ -273,6 +277,51 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if failures:
         print(f"FAILED: {failures}")
     broken = bool(fell_back) or any(r["num_lost"] or not r["num_finished"] for r in rows)
+    return EXIT_FAILED if broken else EXIT_OK
+
+
+def _bench_serve_http(args: argparse.Namespace) -> int:
+    """The workloads sent over HTTP to the server at --base-url, round after round (bench/http_client.py); the
+    same rows, files and exit status as the in-process client, with one arm: "openai"."""
+    from tpweave.bench.http_client import run_http_requests, served_model
+    from tpweave.bench.provenance import gpu_state
+    from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.bench.serve import serve_rows
+
+    if not args.base_url:
+        raise CLIError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+    try:
+        card = served_model(args.base_url, args.api_key)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    model = args.served_model_name or card["id"]
+    vocab = card.get("vocab_size") or model_config(args).vocab_size  # other servers: --model's vocabulary
+    cells = _workloads(args)
+    out, name = _out(args, f"serve-http-{Path(str(model)).name}")
+    records, sent = {}, {}
+    gpus_start = gpu_state()
+    with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:
+        for rnd in range(args.rounds):
+            for workload, rate, requests in cells:
+                sent[(workload, rate)] = len(requests)
+                records[("openai", workload, rate, rnd)] = run_http_requests(
+                    args.base_url, model, requests, vocab_size=vocab, seed=args.seed + rnd, api_key=args.api_key,
+                    max_concurrency=args.max_concurrency,
+                )  # fmt: skip
+    rows = serve_rows(records, sent, arms=["openai"], rounds=args.rounds)
+    failures = _serve_failures(rows)
+    meta = run_metadata(
+        {"kind": "serve", "backend": "openai", "base_url": args.base_url, "served_model": model, "vocab_size": vocab,
+         "num_requests": args.num_prompts, "rounds": args.rounds, "max_concurrency": args.max_concurrency,
+         "failures": failures},
+        gpus_start=gpus_start, gpu_samples=sampler.summary(),
+    )  # fmt: skip
+    print(markdown_table(rows, SERVE_COLUMNS))
+    json_path, md_path = write_results(out, name, meta, rows)
+    print(f"wrote {json_path} and {md_path}")
+    if failures:
+        print(f"FAILED: {failures}")
+    broken = any(r["num_lost"] or not r["num_finished"] for r in rows)
     return EXIT_FAILED if broken else EXIT_OK
 
 

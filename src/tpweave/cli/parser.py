@@ -353,6 +353,15 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     serve.add_argument("--max-model-len", type=positive_int, default=8192, help="context length (tokens)")
     serve.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     serve.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts")
+    serve.add_argument("--backend", choices=("inprocess", "openai"), default="inprocess",
+                       help="inprocess: the engine driven here, per --arms; openai: the same trace sent over HTTP "
+                       "(streamed /v1/completions) to the OpenAI-compatible server at --base-url")  # fmt: skip
+    serve.add_argument("--base-url", default=None, help="with --backend openai: e.g. http://127.0.0.1:8000/v1")
+    serve.add_argument("--api-key", default=None, help="with --backend openai: sent as `Authorization: Bearer KEY`")
+    serve.add_argument("--served-model-name", default=None,
+                       help="with --backend openai: the `model` to send (default: the server's first)")  # fmt: skip
+    serve.add_argument("--max-concurrency", type=positive_int, default=None,
+                       help="with --backend openai: requests in flight at most (default: no limit)")  # fmt: skip
     _output(serve)
     serve.set_defaults(fn=commands["bench serve"])
 

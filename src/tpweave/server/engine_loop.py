@@ -121,8 +121,8 @@ class EngineLoop:
                 try:
                     self._seqs[key] = engine.add_request(prompt, params)
                     self._sent[key] = 0
-                except ValueError as e:  # the same on every rank: the request is refused everywhere
-                    self._emit(key, ("error", str(e)))
+                except Exception as e:  # noqa: BLE001  (the same on every rank: refused everywhere, the server lives)
+                    self._emit(key, ("error", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
                     self._sinks.pop(key, None)
             for key in cmds.aborts:
                 seq = self._seqs.pop(key, None)

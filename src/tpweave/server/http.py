@@ -81,7 +81,7 @@ class OpenAIServer:
     async def models(self, request: web.Request) -> web.Response:
         """The one served model."""
         card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "tpweave",
-                "max_model_len": self.model.max_model_len}  # fmt: skip
+                "max_model_len": self.model.max_model_len, "vocab_size": self.model.vocab_size}  # fmt: skip
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -126,10 +126,10 @@ def _chat_prompt(body: dict, model: ServedModel) -> list[int]:
     if tok is None or not getattr(tok, "chat_template", None):
         raise RequestError(f"model {model.name} has no tokenizer with a chat template: use /v1/completions with "
                            "token ids", param="messages")  # fmt: skip
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict):  # transformers 5 returns a BatchEncoding
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(ids, "keys"):  # a BatchEncoding all the same
         ids = ids["input_ids"]
-    return list(ids)
+    return _token_ids(list(ids), model, "messages")
 
 
 def parse_request(body: Any, kind: str, model: ServedModel) -> ParsedRequest:
