@@ -279,7 +279,11 @@ def test_invariant_matmul_kernel_compiles(has_bias):
     types |= dict(beta="fp32", alpha="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m)  # fmt: skip
-    for t in (invariant_kernels.SMALL_M_TILING, invariant_kernels.LARGE_M_TILING):
+    for t in (
+        invariant_kernels.SMALL_M_TILING,
+        invariant_kernels.SMALL_M_LONG_K_TILING,
+        invariant_kernels.LARGE_M_TILING,
+    ):
         meta |= dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m)
         ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
         assert "wgmma.mma_async" in ptx

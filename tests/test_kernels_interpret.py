@@ -106,6 +106,9 @@ def _check_invariant_kernels() -> None:
     torch.testing.assert_close(got, 2 * ref + 0.5 * bias.float(), atol=4e-2, rtol=2e-3)
     for rows in (slice(0, 1), slice(33, 70)):  # a row alone and in another place: the same bits
         assert torch.equal(invariant_kernels.matmul(a[rows], w.t()), invariant_kernels.matmul(a, w.t())[rows])
+    a, w = torch.randn(3, 8229, generator=gen).half(), torch.randn(40, 8229, generator=gen).half()  # a long K's tiling
+    got = invariant_kernels.matmul(a, w.t()).float()
+    torch.testing.assert_close(got, a.float() @ w.float().t(), atol=0.3, rtol=2e-3)
     # paged: decodes, a chunk after cached context, a fresh sequence longer than one tile, an empty row
     for heads, kv_heads in [(8, 2), (12, 4), (4, 4)]:  # groups of 4, 3 (padded to 4), 1 (64 tokens a tile)
         q_lens, ctx_lens = [1, 20, 0, 90, 1], [70, 150, 3, 90, 1]

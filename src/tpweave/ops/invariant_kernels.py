@@ -36,27 +36,33 @@ ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per a
 
 @dataclass(frozen=True)
 class MatmulTiling:
-    """A launch shape of the invariant matmul. An element's reduction order is set by BLOCK_K and the K loop, fixed
-    for every tiling; block_m / block_n / warps / stages shape the launch only (one H200 gave the same bits with every
-    tiling tried, benchmarks/probes/invariant_mm_probe.py; tests/test_invariant.py checks rows across the switch)."""
+    """A launch shape of the invariant matmul. An element's reduction order is the tensor cores' 16-deep steps over K,
+    in order, into one fp32 accumulator: BLOCK_K only groups those steps, and block_m / block_n / warps / stages shape
+    the launch. One H200 gave the same bits with every tiling tried, BLOCK_K 64 and 128 included
+    (benchmarks/probes/invariant_mm_probe.py); tests/test_invariant.py checks rows across the switches on the GPU."""
 
     block_m: int = 64
     block_n: int = 64
-    block_k: int = 64  # never varied: part of the reduction order
+    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 6
     group_m: int = 8  # programs of GROUP_M row tiles walk the same columns together (L2 reuse; no effect on results)
 
 
-# few rows (decode): small tiles, deep pipelining (the weights' bytes in flight); many: 128 x 128 tiles (compute)
+# few rows (decode): small tiles, deep pipelining (the weights' bytes in flight), and for a long K (a down
+# projection) narrower columns and longer K steps (more programs, more bytes per step); many rows: 128 x 128 tiles
 SMALL_M_TILING = MatmulTiling()
+SMALL_M_LONG_K_TILING = MatmulTiling(block_n=32, block_k=128, num_stages=5)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LARGE_M = 128  # rows from which LARGE_M_TILING runs
+LONG_K = 8192
 
 
-def tiling_for(m: int) -> MatmulTiling:
-    """The launch shape for M rows (shapes only: a CUDA graph's bucket fixes it)."""
-    return LARGE_M_TILING if m > LARGE_M else SMALL_M_TILING
+def tiling_for(m: int, k: int = 0) -> MatmulTiling:
+    """The launch shape for M rows of depth K (shapes only: a CUDA graph's bucket fixes it)."""
+    if m > LARGE_M:
+        return LARGE_M_TILING
+    return SMALL_M_LONG_K_TILING if k >= LONG_K else SMALL_M_TILING
 
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -185,7 +191,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         return out
     if bias is not None:
         bias = torch.broadcast_to(bias, (m, n))
-    t = tiling_for(m)
+    t = tiling_for(m, k)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _invariant_matmul_kernel[grid](
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
