@@ -200,3 +200,25 @@ def test_random_arrivals_never_lose_or_stall(seed, asynchronous):
             assert seq.output_token_ids == reference_output(seq.prompt_token_ids, seq.params)
         else:
             assert seq.error
+
+
+def test_abort_frees_blocks_of_waiting_running_and_in_flight_requests():
+    """A request aborted while waiting, while running, and with its token in flight (asynchronous scheduling): its
+    blocks are free at once, it ends with finish_reason "abort", its in-flight token is dropped, the others finish."""
+    sched = Scheduler(block_manager=BlockManager(num_blocks=32, block_size=4), max_num_seqs=2,
+                      max_num_batched_tokens=12, max_model_len=64)  # fmt: skip
+    seqs = [Sequence([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=6)) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()  # seqs[0] and seqs[1] planned (their tokens pending), seqs[2] waits
+    assert seqs[2] in sched.waiting and seqs[0].block_table
+    sched.abort(seqs[2])  # waiting
+    sched.abort(seqs[0])  # running, its token in flight
+    assert seqs[0].block_table == [] and seqs[2] not in sched.waiting and seqs[0] not in sched.running
+    assert seqs[0].finish_reason == seqs[2].finish_reason == "abort"
+    sched.postprocess(out, {s.seq_id: fake_next_token(s.tokens(0, s.num_tokens - 1)) for s in seqs[:2]})
+    assert seqs[0].output_token_ids == [] and len(seqs[1].output_token_ids) == 1
+    run(sched, [seqs[1]])
+    assert seqs[1].finish_reason == "length" and sched.blocks.num_free == 32
+    sched.abort(seqs[1])  # already finished: nothing changes
+    assert seqs[1].finish_reason == "length"

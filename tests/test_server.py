@@ -26,6 +26,8 @@ pytest.importorskip("prometheus_client")
 
 from tpweave.runtime.launch import free_port  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+
 TINY = ["--model", "tiny", "--dtype", "float32", "--no-compile", "--max-model-len", "256", "--block-size", "4",
         "--num-gpu-blocks-override", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]  # fmt: skip
 
@@ -283,3 +285,50 @@ def test_bounded_load_with_leaving_and_malformed_clients_then_bench_then_sigterm
         assert [r["num_finished"] for r in rows] == [12, 12] and all(r["ttft_ms_p50"] > 0 for r in rows)
         assert server.stop() == 0, server.output
     assert "KV blocks free at exit: rank 0: 128/128" in server.output
+
+
+def test_the_readme_serve_example_is_a_valid_command_and_request():
+    """The README's two serving lines: the `tpweave serve` flags parse, and the curl body is a request the server
+    takes for that model (the running server is the other tests')."""
+    import re
+    import shlex
+
+    from tpweave.cli.main import COMMANDS
+    from tpweave.cli.parser import build_parser
+    from tpweave.models import resolve_config
+    from tpweave.server import protocol
+
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S) if "serve" in b)
+    serve_line, curl_line = block.strip().splitlines()
+    argv = shlex.split(serve_line.split("&&", 1)[1].split("#", 1)[0])
+    assert argv[0] == "tpweave"
+    args = build_parser(COMMANDS).parse_args(argv[1:])
+    body = json.loads(shlex.split(curl_line)[shlex.split(curl_line).index("-d") + 1])
+    cfg = resolve_config(args.model)
+    req = protocol.parse_request(body, "completion", protocol.ServedModel(args.model, cfg.vocab_size, 256))
+    assert req.params.temperature == 0 and req.params.max_tokens == body["max_tokens"]
+    assert f"--port {args.port}" in serve_line and f"localhost:{args.port}/v1/completions" in curl_line
+
+
+def test_requests_the_engine_cannot_serve_are_refused_naming_the_field():
+    from tpweave.server import protocol
+    from tpweave.server.protocol import RequestError
+
+    model = protocol.ServedModel("m", 100, 32)
+    ok = {"prompt": [1, 2], "max_tokens": 3}
+    assert protocol.parse_request(ok, "completion", model).prompts == [[1, 2]]
+    assert protocol.parse_request({"prompt": [[1], [2, 3]]}, "completion", model).prompts == [[1], [2, 3]]
+    refused = [
+        ([1], "body"), ({**ok, "n": 2}, "n"), ({**ok, "stop": ["x"]}, "stop"), ({**ok, "top_p": 0}, "top_p"),
+        ({**ok, "presence_penalty": 0.5}, "presence_penalty"), ({**ok, "seed": "1"}, "seed"),
+        ({**ok, "stream": "yes"}, "stream"), ({**ok, "max_tokens": True}, "max_tokens"), ({"prompt": []}, "prompt"),
+        ({"prompt": "text"}, "prompt"),  # no tokenizer: token ids only
+        ({**ok, "stop_token_ids": "2"}, "stop_token_ids"), ({**ok, "stream_options": {"x": 1}}, "stream_options"),
+    ]  # fmt: skip
+    for body, param in refused:
+        with pytest.raises(RequestError) as e:
+            protocol.parse_request(body, "completion", model)
+        assert e.value.status == 400 and (e.value.param == param or param == "body"), (body, e.value.body())
+    with pytest.raises(RequestError) as e:
+        protocol.parse_request({"messages": [{"role": "user", "content": "hi"}]}, "chat", model)
+    assert "chat template" in str(e.value)
