@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tpweave.bench.stats import median
+from tpweave.bench.timing import time_call
 from tpweave.ops import invariant_kernels as ik
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -35,16 +36,7 @@ CALLS = 10  # back to back between the events: the kernels' time, not the host's
 def time_ms(fn, reps=30) -> float:
     for _ in range(3):
         fn()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CALLS):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / CALLS)
-    return median(samples)
+    return median([time_call(fn, inner=CALLS, on_cuda=True) for _ in range(reps)])
 
 
 def main() -> None:

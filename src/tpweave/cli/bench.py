@@ -241,7 +241,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Serve the workloads through each arm's engine over interleaved rounds; exit status 1 when a cell
     lost a request or when every request of a cell failed."""
     from tpweave.bench.provenance import gpu_state
-    from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.bench.results import run_metadata
     from tpweave.bench.serve import SERVE_ARMS
 
     if args.backend == "openai":
@@ -271,13 +271,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
          **engine_kwargs},
         gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
-    print(markdown_table(rows, SERVE_COLUMNS))
-    json_path, md_path = write_results(out, name, meta, rows)
-    print(f"wrote {json_path} and {md_path}")
-    if failures:
-        print(f"FAILED: {failures}")
-    broken = bool(fell_back) or any(r["num_lost"] or not r["num_finished"] for r in rows)
-    return EXIT_FAILED if broken else EXIT_OK
+    return _finish_serve(out, name, meta, rows, failures, broken=bool(fell_back))
 
 
 def _bench_serve_http(args: argparse.Namespace) -> int:
@@ -285,7 +279,7 @@ def _bench_serve_http(args: argparse.Namespace) -> int:
     same rows, files and exit status as the in-process client, with one arm: "openai"."""
     from tpweave.bench.http_client import run_http_requests, served_model
     from tpweave.bench.provenance import gpu_state
-    from tpweave.bench.results import SERVE_COLUMNS, markdown_table, run_metadata, write_results
+    from tpweave.bench.results import run_metadata
     from tpweave.bench.serve import serve_rows
 
     if not args.base_url:
@@ -316,12 +310,20 @@ def _bench_serve_http(args: argparse.Namespace) -> int:
          "failures": failures},
         gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
+    return _finish_serve(out, name, meta, rows, failures)
+
+
+def _finish_serve(out: Path, name: str, meta: dict, rows: list[dict], failures: str | None, *, broken: bool = False):
+    """Print and write a serving run's rows; its exit status: 1 when `broken` or a cell lost a request or finished
+    none."""
+    from tpweave.bench.results import SERVE_COLUMNS, markdown_table, write_results
+
     print(markdown_table(rows, SERVE_COLUMNS))
     json_path, md_path = write_results(out, name, meta, rows)
     print(f"wrote {json_path} and {md_path}")
     if failures:
         print(f"FAILED: {failures}")
-    broken = any(r["num_lost"] or not r["num_finished"] for r in rows)
+    broken = broken or any(r["num_lost"] or not r["num_finished"] for r in rows)
     return EXIT_FAILED if broken else EXIT_OK
 
 

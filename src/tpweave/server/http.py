@@ -35,6 +35,8 @@ class _Choice:
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.text_sent = ""
+        self.prefix = 0  # streaming: text is decoded from ids[prefix:], the ids before it already sent as text
+        self.read = 0  # ids[prefix:read] decode to the text sent last
         self.reason: str | None = None
         self.error: str | None = None
 
@@ -159,13 +161,24 @@ class OpenAIServer:
             self.metrics.finished(c.reason or "error")
 
     def _new_text(self, choice: _Choice) -> str:
-        """Text of the choice's tokens not sent yet; an incomplete UTF-8 character at the end waits for the next."""
+        """Text of the choice's tokens not sent yet, decoded over a short window (the ids since the last text sent,
+        and those before it as context: a tokenizer's spacing depends on the token before), so a long stream does
+        not decode its whole output at every step. An incomplete UTF-8 character at the end waits for the next
+        token; the last chunk checks the sent text against the whole output's and sends what it lacks."""
         if self.model.tokenizer is None:
             return ""
-        text = protocol.decode(self.model, choice.ids)
-        if text.endswith("\ufffd") and not choice.done:
+        if choice.done:
+            full = protocol.decode(self.model, choice.ids)
+            new = full[len(choice.text_sent) :] if full.startswith(choice.text_sent) else ""
+            choice.text_sent = full
+            return new
+        before = protocol.decode(self.model, choice.ids[choice.prefix : choice.read])
+        window = protocol.decode(self.model, choice.ids[choice.prefix :])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
             return ""
-        new, choice.text_sent = text[len(choice.text_sent) :], text
+        new = window[len(before) :]
+        choice.prefix, choice.read = choice.read, len(choice.ids)
+        choice.text_sent += new
         return new
 
     async def _stream(self, request: web.Request, req: ParsedRequest, events: asyncio.Queue, choices: list[_Choice],
