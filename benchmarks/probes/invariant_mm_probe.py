@@ -1,7 +1,6 @@
 """The batch-invariant Triton matmul (ops/invariant_kernels.py) against cuBLAS (torch.mm) at llama3-8b's TP=1
-shapes, and whether other tilings give the same bits: which launch shapes could be picked per M without changing a
-row's result (BLOCK_M, BLOCK_N, warps and stages varied; two tilings with another BLOCK_K, to see whether it
-changes them).
+shapes, under several launch plans (tiling x split-K or one program per tile), and whether every plan gives the same
+bits as the default plan at M = 2048 (rows 0..M-1): which plans could be picked per M without changing a row.
 
     python benchmarks/probes/invariant_mm_probe.py [--out DIR]
 """
@@ -18,22 +17,19 @@ from tpweave.bench.timing import time_call
 from tpweave.ops import invariant_kernels as ik
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-MS = (1, 16, 64, 256, 2048)
-BASE = ik.MatmulTiling(num_stages=4)
-TILINGS = [
-    BASE,
-    replace(BASE, block_n=128),
-    replace(BASE, block_m=128, block_n=128, num_warps=8, num_stages=3),
-    replace(BASE, block_n=32),
-    replace(BASE, block_m=128, block_n=256, num_warps=8, num_stages=3),
-    replace(BASE, num_stages=6),
-    replace(BASE, block_k=128, num_stages=4),  # another BLOCK_K: are the bits the same? (informative)
-    replace(BASE, block_k=128, block_n=32, num_stages=5),
-]
+MS = (1, 16, 64, 128, 256, 512, 2048)
+TILINGS = {
+    "64x64": ik.SMALL_M_TILING,
+    "64x32k128": ik.SMALL_M_LONG_K_TILING,
+    "64x128": replace(ik.SMALL_M_TILING, block_n=128, num_stages=4),
+    "128x64": replace(ik.SMALL_M_TILING, block_m=128, num_warps=4, num_stages=4),
+    "128x128": ik.LARGE_M_TILING,
+    "128x256": replace(ik.LARGE_M_TILING, block_n=256),
+}
 CALLS = 10  # back to back between the events: the kernels' time, not the host's launch
 
 
-def time_ms(fn, reps=30) -> float:
+def time_ms(fn, reps=20) -> float:
     for _ in range(3):
         fn()
     return median([time_call(fn, inner=CALLS, on_cuda=True) for _ in range(reps)])
@@ -48,21 +44,31 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
         x = torch.randn(max(MS), k, device="cuda", generator=g, dtype=torch.bfloat16)
-        ref_bits = {}
+        ref = ik.matmul(x, w.t())
         for m in MS:
-            row = {"shape": name, "n": n, "k": k, "m": m, "cublas_ms": time_ms(lambda: torch.mm(x[:m], w.t()))}
-            for i, tiling in enumerate(TILINGS):
-                ik.tiling_for = lambda m, k=0, tiling=tiling: tiling
-                out = ik.matmul(x[:m], w.t())
-                row[f"tiling{i}_ms"] = time_ms(lambda: ik.matmul(x[:m], w.t()))
-                ref = ref_bits.setdefault(m, out)
-                row[f"tiling{i}_same_bits_as_tiling0"] = bool(torch.equal(out, ref))
-                if m > 1:  # row 0 here against row 0 at M = 1 (tiling 0)
-                    row[f"tiling{i}_row0_as_m1"] = bool(torch.equal(out[:1], ref_bits[1][:1]))
+            row = {"shape": name, "n": n, "k": k, "m": m, "cublas_ms": time_ms(lambda: torch.mm(x[:m], w.t())),
+                   "default_tiling": next(t for t, v in TILINGS.items() if v == ik.tiling_for(m, k)),
+                   "default_split": ik.split_k(m, n, k, ik.tiling_for(m, k))}  # fmt: skip
+            row["default_ms"] = time_ms(lambda: ik.matmul(x[:m], w.t()))
+            row["default_same_bits"] = bool(torch.equal(ik.matmul(x[:m], w.t()), ref[:m]))
+            for label, tiling in TILINGS.items():
+                for split in (False, True):
+                    if split and k <= ik.K_CHUNK:
+                        continue
+                    key = f"{label}{'_split' if split else ''}"
+                    out = ik.matmul(x[:m], w.t(), tiling=tiling, split=split)
+                    row[f"{key}_ms"] = time_ms(lambda: ik.matmul(x[:m], w.t(), tiling=tiling, split=split))
+                    row[f"{key}_same_bits"] = bool(torch.equal(out, ref[:m]))
+            best = min((v, key) for key, v in row.items() if key.endswith("_ms") and key not in ("cublas_ms",))
+            row["best"] = best[1]
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            same = all(v for key, v in row.items() if key.endswith("_same_bits"))
+            plan = f"{row['default_tiling']}{' split' if row['default_split'] else ''}"
+            print(f"{name:8s} m={m:<5d} cublas {row['cublas_ms']:.4f} default {row['default_ms']:.4f} ({plan}) "
+                  f"best {best[0]:.4f} {best[1]} all same bits: {same}", flush=True)  # fmt: skip
     out = Path(args.out) / "invariant_mm_probe.json"
-    out.write_text(json.dumps({"tilings": [asdict(t) for t in TILINGS], "rows": rows}, indent=1))
+    out.write_text(json.dumps({"tilings": {k: asdict(t) for k, t in TILINGS.items()}, "k_chunk": ik.K_CHUNK,
+                               "rows": rows}, indent=1))  # fmt: skip
     print("wrote", out)
 
 

@@ -1,0 +1,85 @@
+"""Where an engine step's GPU time goes, default mode against --invariant batch: llama3-8b's first layers (random
+weights), decode steps of B sequences at context 1024 and a prefill of 2048 tokens, run eagerly through the compiled
+model (no CUDA graphs: the kernels are the same) under torch.profiler; per step, each kernel's GPU time per call,
+largest first, and the totals.
+
+    python benchmarks/probes/invariant_step_profile.py [--num-layers 4] [--out DIR]
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from tpweave.bench.engine import _padding
+from tpweave.bench.serve import release_engine
+from tpweave.engine import LLMEngine
+from tpweave.engine.scheduler import ScheduledChunk
+from tpweave.engine.sequence import Sequence
+from tpweave.runtime.context import TPContext
+
+CALLS = 5
+
+
+def step_inputs(engine, decodes: int, context: int, fresh: int):
+    rng = random.Random(2)
+    runner, blocks = engine.runner, engine.scheduler.blocks
+    chunks = []
+    for _ in range(decodes):
+        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(context)])
+        blocks.grow(seq, context)
+        chunks.append(ScheduledChunk(seq, context - 1, 1, samples=True))
+    if fresh:
+        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(fresh)])
+        blocks.grow(seq, fresh)
+        chunks.append(ScheduledChunk(seq, 0, fresh, samples=True))
+    return runner._inputs(chunks, pad_to=_padding(runner, decodes + fresh))
+
+
+def kernel_table(fn) -> tuple[list[dict], float]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:120], "us_per_step": e.device_time_total / CALLS, "calls_per_step": e.count / CALLS}
+            for e in prof.key_averages() if e.device_time_total > 0]  # fmt: skip
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows, sum(r["us_per_step"] for r in rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    steps = {"decode b1": (1, 1024, 0), "decode b64": (64, 1024, 0), "decode b256": (256, 1024, 0),
+             "prefill 2048": (0, 0, 2048)}  # fmt: skip
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "num_layers": args.num_layers}
+    for mode in (None, "batch"):
+        engine = LLMEngine(TPContext.single("cuda"), args.model, num_layers=args.num_layers, max_num_seqs=256,
+                           max_num_batched_tokens=2048, max_model_len=2100, cuda_graphs=False, invariant=mode,
+                           gpu_memory_utilization=0.5)  # fmt: skip
+        with torch.no_grad():
+            for name, shape in steps.items():
+                inputs = step_inputs(engine, *shape)
+                rows, total = kernel_table(lambda inputs=inputs, runner=engine.runner: runner.forward(*inputs))
+                record[f"{mode or 'default'} {name}"] = {"total_us": total, "kernels": rows[:25]}
+                print(f"== {mode or 'default'} {name}: {total:.1f} us of kernels per step", flush=True)
+                for r in rows[:12]:
+                    print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:<5.0f} {r['kernel']}", flush=True)
+        del inputs
+        release_engine(engine)
+        del engine
+    out = Path(args.out) / "invariant_step_profile.json"
+    out.write_text(json.dumps(record, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
