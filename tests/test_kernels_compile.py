@@ -210,8 +210,6 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_flash_prefill_kernel",
         "_paged_prefill_kernel",
         "_invariant_matmul_kernel",
-        "_split_matmul_kernel",
-        "_sum_chunks_kernel",
         "_invariant_attention_kernel",
     }
     found = set()
@@ -273,24 +271,17 @@ def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
 
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_invariant_matmul_kernel_compiles(has_bias):
-    """The batch-invariant matmul at its tilings, one program per tile and split-K, on the tensor cores' warpgroup
-    MMA; the split's chunk sum."""
-    from tpweave.ops import invariant_kernels as ik
+    """The batch-invariant matmul at each of its launch shapes, on the tensor cores' warpgroup MMA."""
+    from tpweave.ops import invariant_kernels
 
-    def types_of(fn):
-        types = {name: "i32" for name in fn.arg_names if name.startswith("stride_") or name in ("M", "N", "K")}
-        types |= {name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")} | {"ws_ptr": "*fp32"}
-        return {k: v for k, v in (types | dict(beta="fp32", alpha="fp32", chunks="i32")).items() if k in fn.arg_names}
-
-    flags = dict(HAS_BIAS=has_bias, SCALED=has_bias)
-    for t in (ik.SMALL_M_TILING, ik.SMALL_M_LONG_K_TILING, ik.LARGE_M_TILING):
-        meta = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, K_CHUNK=ik.K_CHUNK)
-        for fn, extra in ((ik._invariant_matmul_kernel, flags), (ik._split_matmul_kernel, {})):
-            ptx = compile_for_gpu(fn, types_of(fn), meta | extra, num_warps=t.num_warps, num_stages=t.num_stages)
-            assert "wgmma.mma_async" in ptx
-    fn = ik._sum_chunks_kernel
-    ptx = compile_for_gpu(fn, types_of(fn), flags | dict(BLOCK_M=ik.SUM_TILE[0], BLOCK_N=ik.SUM_TILE[1]), num_warps=4)
-    assert "ld.global" in ptx
+    fn = invariant_kernels._invariant_matmul_kernel
+    types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", M="i32", N="i32", K="i32")
+    types |= dict(beta="fp32", alpha="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+    for t in invariant_kernels.TILINGS:
+        meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                    GROUP_M=t.group_m)  # fmt: skip
+        ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        assert "wgmma.mma_async" in ptx
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -2,8 +2,11 @@
 `attention_supported` say so): one launch per matmul or attention call, no host sync, so CUDA graphs capture them.
 
 Matmul, C (M, N) = A (M, K) @ B (K, N): a program owns one (BLOCK_M, BLOCK_N) tile of C and walks K in BLOCK_K steps,
-in order, accumulating in fp32 (tl.dot into the accumulator). No split-K, no stream-K, and one tiling (MM_TILING) at
-every M: an element of C is reduced the same way whatever M is and wherever its row sits.
+in order, accumulating in fp32 (tl.dot into the accumulator). No split-K, no stream-K: an element of C is reduced
+the same way whatever M is and wherever its row sits. The launch shape (tile size, warps, stages) changes with M
+(`tiling_for`), which changes where an element is computed, not how. (A fixed split of K into chunks added in order
+would let decode sizes run split-K with the same bits at every M, but the chunk boundaries stall the pipeline at
+every M: 11-24% slower at 2048 rows on one H200, and the split kernels were no faster at one row.)
 
 Attention, over a paged pool or a packed batch: a program owns one kv head and a tile of TOKENS consecutive new
 tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows, fixed per model). It walks the
@@ -49,37 +52,32 @@ class MatmulTiling:
     group_m: int = 8  # programs of GROUP_M row tiles walk the same columns together (L2 reuse; no effect on results)
 
 
-# few rows (decode): small tiles, deep pipelining (the weights' bytes in flight), and for a long K (a down
-# projection) narrower columns and longer K steps (more programs, more bytes per step); many rows: 128 x 128 tiles
+# The launch shape by M (and N, K): few rows (decode) are bound by the weights' bytes, so small tiles with deep
+# pipelining and, for a long K (a down projection), narrower columns with longer K steps (more programs, more bytes
+# per step); a few hundred rows still want more programs than 128 x 128 tiles give at N <= 8192 or a long K; many
+# rows are bound by the tensor cores, so large tiles, 128 x 256 for wide or deep products. Chosen by the probe's
+# timings on one H200 (benchmarks/probes/invariant_mm_probe.py); any other choice gives the same bits.
 SMALL_M_TILING = MatmulTiling()
 SMALL_M_LONG_K_TILING = MatmulTiling(block_n=32, block_k=128, num_stages=5)
+MID_M_TILING = MatmulTiling(block_n=128, num_stages=4)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
-LARGE_M = 128  # rows from which LARGE_M_TILING runs
+LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
+TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, MID_M_TILING, LARGE_M_TILING, LARGE_M_WIDE_TILING)
+SMALL_M = 128  # rows up to which the small tilings run
+MID_M = 512  # rows up to which the mid-size choice runs
 LONG_K = 8192
+WIDE_N = 8192
 
 
-# A product is the sum over K's chunks of K_CHUNK positions (fixed: the chunks, and the order in which they are added,
-# do not depend on M), each chunk's product in fp32 from zero, added to the total in K order. One program can walk a
-# tile's chunks one after the other, or one program per (tile, chunk) can write the chunks' products and a second
-# kernel add them (split-K): the same fp32 additions in the same order, so the same bits. Split-K runs where the
-# output has too few tiles to fill the GPU (decode sizes); its workspace (chunks x M x N fp32) is traffic, so not
-# where the tiles alone fill it.
-K_CHUNK = 1024
-SPLIT_BELOW_TILES = 264  # two programs per SM of an H100/H200
-SUM_TILE = (16, 256)  # the chunk sum's (rows, columns) per program
-
-
-def split_k(m: int, n: int, k: int, tiling: MatmulTiling) -> bool:
-    """Whether M x N (depth K) runs split-K under this tiling: more than one chunk, too few tiles to fill the GPU."""
-    tiles = -(-m // tiling.block_m) * -(-n // tiling.block_n)
-    return k > K_CHUNK and tiles < SPLIT_BELOW_TILES
-
-
-def tiling_for(m: int, k: int = 0) -> MatmulTiling:
-    """The launch shape for M rows of depth K (shapes only: a CUDA graph's bucket fixes it)."""
-    if m > LARGE_M:
-        return LARGE_M_TILING
-    return SMALL_M_LONG_K_TILING if k >= LONG_K else SMALL_M_TILING
+def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
+    """The launch shape for an (M, K) x (K, N) product (shapes only: a CUDA graph's bucket fixes it)."""
+    if m <= SMALL_M:
+        return SMALL_M_LONG_K_TILING if k >= LONG_K else SMALL_M_TILING
+    if m <= MID_M:
+        if k >= LONG_K:
+            return SMALL_M_TILING
+        return LARGE_M_TILING if n > WIDE_N else MID_M_TILING
+    return LARGE_M_WIDE_TILING if n > WIDE_N or k >= LONG_K else LARGE_M_TILING
 
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -108,8 +106,11 @@ def attention_supported(q_MHD: Tensor, k: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """A program's output tile: GROUP_M row tiles walk the same columns together (L2 reuse)."""
+    def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
+                                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * num_n
@@ -117,79 +118,27 @@ if triton is not None:
         rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
         pid_m = first_m + (pid % per_group) % rows_in_group
         pid_n = (pid % per_group) // rows_in_group
-        return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-    @triton.jit
-    def _chunk_product(a_ptr, b_ptr, rm, rn, M, N, k_begin, k_end, stride_am, stride_ak, stride_bk, stride_bn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        """A[rm, k_begin:k_end] @ B[k_begin:k_end, rn] in fp32: BLOCK_K steps in order into one accumulator from 0."""
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (k_begin + rk[None, :]) * stride_ak
-        b_ptrs = b_ptr + (k_begin + rk[:, None]) * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k_ok = rk < k_end - k0
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = rk < K - k0
             a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        return acc
-
-    @triton.jit
-    def _store_product(total, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n,
-                       beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-        """alpha * total + beta * bias (fp32, elementwise) stored in C's dtype."""
         if SCALED:
-            total = total * alpha
-        ok = (rm[:, None] < M) & (rn[None, :] < N)
+            acc = acc * alpha
         if HAS_BIAS:
             bias_ptrs = bias_ptr + rm[:, None].to(tl.int64) * stride_bias_m + rn[None, :] * stride_bias_n
-            total = total + beta * tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0).to(tl.float32)
+            acc = acc + beta * bias
         c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
-        tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
-                                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                 K_CHUNK: tl.constexpr):  # fmt: skip
-        """One program per output tile: K's chunks one after another, each chunk's product added to the total."""
-        rm, rn = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for c0 in range(0, K, K_CHUNK):
-            total += _chunk_product(a_ptr, b_ptr, rm, rn, M, N, c0, tl.minimum(c0 + K_CHUNK, K), stride_am,
-                                    stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        _store_product(total, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
-                       alpha, HAS_BIAS, SCALED)  # fmt: skip
-
-    @triton.jit
-    def _split_matmul_kernel(a_ptr, b_ptr, ws_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             K_CHUNK: tl.constexpr):  # fmt: skip
-        """One program per (output tile, K chunk): the chunk's fp32 product into the workspace (chunks, M, N)."""
-        rm, rn = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        c0 = tl.program_id(1) * K_CHUNK
-        part = _chunk_product(a_ptr, b_ptr, rm, rn, M, N, c0, tl.minimum(c0 + K_CHUNK, K), stride_am, stride_ak,
-                              stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        ws_ptrs = ws_ptr + tl.program_id(1).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-        tl.store(ws_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    @triton.jit
-    def _sum_chunks_kernel(ws_ptr, c_ptr, bias_ptr, M, N, chunks, stride_cm, stride_cn, stride_bias_m, stride_bias_n,
-                           beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):  # fmt: skip
-        """The chunks' products added to the total in K order, as _invariant_matmul_kernel adds them."""
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rm[:, None] < M) & (rn[None, :] < N)
-        ws_ptrs = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for c in range(0, chunks):
-            total += tl.load(ws_ptrs + (c * M).to(tl.int64) * N, mask=ok, other=0.0)
-        _store_product(total, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
-                       alpha, HAS_BIAS, SCALED)  # fmt: skip
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, tile_seq_ptr,
@@ -248,10 +197,10 @@ if triton is not None:
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
-           tiling: MatmulTiling | None = None, split: bool | None = None) -> Tensor:  # fmt: skip
+           tiling: MatmulTiling | None = None) -> Tensor:  # fmt: skip
     """a (M, K) @ b (K, N) (any strides), or alpha * (a @ b) + beta * bias (broadcast to (M, N)), in a's dtype
-    (module doc: the product's reduction order; the epilogue is elementwise, in fp32). `tiling` and `split` override
-    the launch plan (probes, tests): neither changes a bit of the result."""
+    (module doc: the product's reduction order; the epilogue is elementwise, in fp32). `tiling` overrides the launch
+    shape (probes, tests): it changes no bit of the result."""
     m, k = a.shape
     n = b.shape[1]
     out = a.new_empty(m, n)
@@ -259,26 +208,14 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         return out
     if bias is not None:
         bias = torch.broadcast_to(bias, (m, n))
-    t = tiling or tiling_for(m, k)
-    tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-    chunks = triton.cdiv(k, K_CHUNK)
-    if split is None:
-        split = split_k(m, n, k, t)
-    epilogue = (bias if bias is not None else out, m, n, out.stride(0), out.stride(1),
-                *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha))  # fmt: skip
-    flags = {"HAS_BIAS": bias is not None, "SCALED": alpha != 1.0}
-    launch = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m,
-              "K_CHUNK": K_CHUNK, "num_warps": t.num_warps, "num_stages": t.num_stages}  # fmt: skip
-    if not split or chunks == 1:
-        _invariant_matmul_kernel[(tiles,)](a, b, out, epilogue[0], m, n, k, a.stride(0), a.stride(1), b.stride(0),
-                                           b.stride(1), *epilogue[3:], **flags, **launch)  # fmt: skip
-        return out
-    ws = torch.empty(chunks, m, n, dtype=torch.float32, device=a.device)
-    _split_matmul_kernel[(tiles, chunks)](a, b, ws, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                          **launch)  # fmt: skip
-    rows, cols = SUM_TILE
-    _sum_chunks_kernel[(triton.cdiv(m, rows), triton.cdiv(n, cols))](ws, out, epilogue[0], m, n, chunks, *epilogue[3:],
-                                                                     **flags, BLOCK_M=rows, BLOCK_N=cols)  # fmt: skip
+    t = tiling or tiling_for(m, n, k)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _invariant_matmul_kernel[grid](
+        a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
+        HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
     return out
 
 
