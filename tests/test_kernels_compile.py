@@ -211,6 +211,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_paged_prefill_kernel",
         "_invariant_matmul_kernel",
         "_invariant_attention_kernel",
+        "_merge_spans_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):
@@ -287,14 +288,25 @@ def test_invariant_matmul_kernel_compiles(has_bias):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
-    from tpweave.ops import invariant_kernels
+    """The invariant attention, one program per tile and one per span of keys (both on wgmma), and the spans'
+    merge."""
+    from tpweave.ops import invariant_kernels as ik
 
-    fn = invariant_kernels._invariant_attention_kernel
-    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
-    types |= dict(tables_ptr="*i32", tile_seq_ptr="*i32", tile_first_ptr="*i32", num_seqs="i32", block_size="i32")
-    types |= dict(scale="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
-    group_pad = invariant_kernels._group_pad(group)
-    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=invariant_kernels.ATTENTION_ROWS // group_pad,
-                HEAD_DIM=head_dim, CHUNK=invariant_kernels.KV_CHUNK, PAGED=paged)  # fmt: skip
-    ptx = compile_for_gpu(fn, types, meta, num_warps=4, num_stages=2)
-    assert "wgmma.mma_async" in ptx
+    def types_of(fn):
+        types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
+        types |= dict(tables_ptr="*i32", tile_seq_ptr="*i32", tile_first_ptr="*i32", ws_ml_ptr="*fp32")
+        types |= dict(ws_acc_ptr="*fp32", num_seqs="i32", num_tokens="i32", block_size="i32", scale="fp32")
+        types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+        return {k: v for k, v in types.items() if k in fn.arg_names}
+
+    group_pad = ik._group_pad(group)
+    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
+                SPLIT=ik.KV_SPLIT, PAGED=paged)  # fmt: skip
+    launch = ik.AttentionLaunch()
+    for split_k in (False, True):
+        fn = ik._invariant_attention_kernel
+        ptx = compile_for_gpu(fn, types_of(fn), meta | dict(CHUNK=ik.KV_CHUNK, SPLIT_K=split_k),
+                              num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
+        assert "wgmma.mma_async" in ptx
+    fn = ik._merge_spans_kernel
+    assert "ld.global" in compile_for_gpu(fn, types_of(fn), meta, num_warps=4)

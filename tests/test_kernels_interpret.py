@@ -124,21 +124,31 @@ def _check_invariant_kernels() -> None:
         k_cache[slots], v_cache[slots] = k_new, v_new
         ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs,
                                                    0.2)  # fmt: skip
-        got = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
-                                          block_size=bs, scale=0.2)  # fmt: skip
+        paged = dict(context_lens=ctx, block_tables=tables, block_size=bs, scale=0.2)
+        got = invariant_kernels.attention(q, k_cache, v_cache, cu, split=False, **paged)
         torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+        # one program per span of keys, then their merge: the same bits as one program per tile
+        assert torch.equal(invariant_kernels.attention(q, k_cache, v_cache, cu, split=True, **paged), got)
         # the chunk's last token as a decode of its own (context 150, one new token): its row's bits
-        last = invariant_kernels.attention(q[20:21], k_cache, v_cache, cu.new_tensor([0, 1]), context_lens=ctx[1:2],
-                                           block_tables=tables[1:2], block_size=bs, scale=0.2)  # fmt: skip
-        assert torch.equal(last[0], got[20])
+        for split in (False, True):
+            last = invariant_kernels.attention(
+                q[20:21],
+                k_cache,
+                v_cache,
+                cu.new_tensor([0, 1]),
+                split=split,
+                **(paged | dict(context_lens=ctx[1:2], block_tables=tables[1:2])),
+            )
+            assert torch.equal(last[0], got[20])
     # packed: its own K/V
     lens = [5, 0, 70, 17]
     qkv = torch.randn(sum(lens), 8 + 4, 32, generator=gen).half()
     q, k, v = qkv.split([8, 2, 2], dim=1)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     ref = attention._attention_reference(q.float(), k.float(), v.float(), cu, 0.2)
-    got = invariant_kernels.attention(q, k, v, cu, scale=0.2)
+    got = invariant_kernels.attention(q, k, v, cu, scale=0.2, split=False)
     torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+    assert torch.equal(invariant_kernels.attention(q, k, v, cu, scale=0.2, split=True), got)
 
 
 def test_invariant_kernels_in_the_interpreter():

@@ -35,6 +35,16 @@ except ImportError:  # CPU-only installs: ops/invariant.py's reference path
 
 KV_CHUNK = 64  # key positions per attention step (ops/invariant.py's CPU path walks the same chunks)
 ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per attention program: one wgmma's M
+KV_SPLIT = 128  # key positions per span: a row's state is built span by span, the spans' states merged in key order
+SPLIT_BELOW_PROGRAMS = 264  # one program per span where (tiles x kv heads) programs would not fill the GPU
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """The attention kernel's warps and pipeline depth (no effect on results)."""
+
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @dataclass(frozen=True)
@@ -141,16 +151,10 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
-    def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, ctx_ptr, tables_ptr, tile_seq_ptr,
-                                    tile_first_ptr, num_seqs, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs,
-                                    stride_vh, stride_om, stride_oh, stride_tb, block_size, scale,
-                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
-                                    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
-        tile = tl.program_id(0)
-        kvh = tl.program_id(1)
-        seq = tl.load(tile_seq_ptr + tile)
-        if seq >= num_seqs:
-            return
+    def _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   TOKENS: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
+        """A tile's rows: (q_start, kv_len, q_rows, heads, row_ok, pos, last): the sequence's first new token's row and
+        context length, each row's token row, q head, validity and query position, and the keys the tile sees."""
         q_start = tl.load(cu_ptr + seq)
         num_q = tl.load(cu_ptr + seq + 1) - q_start
         if PAGED:
@@ -163,16 +167,20 @@ if triton is not None:
         g = r % GROUP_PAD
         row_ok = (tok < num_q) & (g < GROUP)
         pos = kv_len - num_q + tok  # each row's query position
-        d = tl.arange(0, HEAD_DIM)
-        q_rows = (q_start + tok).to(tl.int64)
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)  # fmt: skip
-        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
-        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
         last = tl.minimum(kv_len, kv_len - num_q + t0 + TOKENS)  # keys the tile's last row sees, + 1
-        for c0 in range(0, last, CHUNK):
+        return q_start, kv_len, (q_start + tok).to(tl.int64), g, row_ok, pos, last
+
+    @triton.jit
+    def _attend_span(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, c_begin, c_end, stride_ks,
+                     stride_kh, stride_vs, stride_vh, stride_tb, block_size, scale, ROWS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
+        """The rows' online-softmax state (running max, sum, unnormalized output) over keys c_begin..c_end-1, chunk by
+        chunk, from the empty state."""
+        d = tl.arange(0, HEAD_DIM)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for c0 in range(c_begin, c_end, CHUNK):
             t = c0 + tl.arange(0, CHUNK)
             t_ok = t < kv_len
             if PAGED:
@@ -191,6 +199,93 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge_state(m_a, l_a, acc_a, m_b, l_b, acc_b):
+        """Two online-softmax states of disjoint key spans as one (b's keys after a's)."""
+        m = tl.maximum(m_a, m_b)
+        safe = tl.where(m == float("-inf"), 0.0, m)
+        wa = tl.exp(m_a - safe)
+        wb = tl.exp(m_b - safe)
+        return m, l_a * wa + l_b * wb, acc_a * wa[:, None] + acc_b * wb[:, None]
+
+    @triton.jit
+    def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tables_ptr,
+                                    tile_seq_ptr, tile_first_ptr, num_seqs, num_tokens, stride_qm, stride_qh,
+                                    stride_ks, stride_kh, stride_vs, stride_vh, stride_om, stride_oh, stride_tb,
+                                    block_size, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                                    TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                                    SPLIT: tl.constexpr, PAGED: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+        """One program per (tile, kv head), walking the tile's keys span by span (SPLIT_K False); or one per (tile, kv
+        head, span), writing the span's state to the workspace for _merge_spans_kernel (SPLIT_K True)."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.load(tile_seq_ptr + tile)
+        if seq >= num_seqs:
+            return
+        q_start, kv_len, q_rows, g, row_ok, pos, last = _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP,
+                                                                   GROUP_PAD, TOKENS, PAGED)  # fmt: skip
+        if SPLIT_K:
+            if tl.program_id(2) * SPLIT >= last:
+                return
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # fmt: skip
+        if SPLIT_K:
+            s0 = tl.program_id(2) * SPLIT
+            m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, s0,
+                                         tl.minimum(s0 + SPLIT, last), stride_ks, stride_kh, stride_vs, stride_vh,
+                                         stride_tb, block_size, scale, TOKENS * GROUP_PAD, HEAD_DIM, CHUNK,
+                                         PAGED)  # fmt: skip
+            # the state at (span, token row, q head): m and l in ws_ml (spans, 2, M, H), acc in ws_acc (spans, M, H, D)
+            num_heads = tl.num_programs(1) * GROUP
+            at = (tl.program_id(2) * 2 * num_tokens + q_rows) * num_heads + heads
+            tl.store(ws_ml_ptr + at, m_i, mask=row_ok)
+            tl.store(ws_ml_ptr + at + num_tokens * num_heads, l_i, mask=row_ok)
+            at = (tl.program_id(2) * num_tokens + q_rows) * num_heads + heads
+            tl.store(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+            return
+        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
+        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
+        for s0 in range(0, last, SPLIT):
+            m_s, l_s, acc_s = _attend_span(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, s0,
+                                           tl.minimum(s0 + SPLIT, last), stride_ks, stride_kh, stride_vs, stride_vh,
+                                           stride_tb, block_size, scale, TOKENS * GROUP_PAD, HEAD_DIM, CHUNK,
+                                           PAGED)  # fmt: skip
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_s, l_s, acc_s)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_spans_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tile_seq_ptr, tile_first_ptr, num_seqs,
+                            num_tokens, stride_om, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                            TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+                            PAGED: tl.constexpr):  # fmt: skip
+        """The spans' states merged in key order, as _invariant_attention_kernel merges them in one program."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.load(tile_seq_ptr + tile)
+        if seq >= num_seqs:
+            return
+        _, _, q_rows, g, row_ok, _, last = _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP, GROUP_PAD,
+                                                      TOKENS, PAGED)  # fmt: skip
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        num_heads = tl.num_programs(1) * GROUP
+        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
+        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
+        for span in range(0, tl.cdiv(last, SPLIT)):
+            at = (span * 2 * num_tokens + q_rows) * num_heads + heads
+            m_s = tl.load(ws_ml_ptr + at, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(ws_ml_ptr + at + num_tokens * num_heads, mask=row_ok, other=0.0)
+            at = (span * num_tokens + q_rows) * num_heads + heads
+            acc_s = tl.load(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_s, l_s, acc_s)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -233,9 +328,12 @@ def attention(
     block_tables: Tensor | None = None,
     block_size: int = 1,
     scale: float,
+    split: bool | None = None,
+    launch: AttentionLaunch | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new tokens (module doc). Paged (context_lens and block_tables given): k / v
-    (slots, K, D) the page pool, the new tokens' K/V already in it. Packed: k / v (M, K, D) the new tokens' own."""
+    (slots, K, D) the page pool, the new tokens' K/V already in it. Packed: k / v (M, K, D) the new tokens' own.
+    `split` (span-parallel or not) and `launch` override the launch plan (probes, tests): neither changes a bit."""
     q_MHD, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_MHD, k, v))
     num_tokens, num_heads, head_dim = q_MHD.shape
     num_kv = k.shape[1]
@@ -257,12 +355,28 @@ def attention(
     if paged:
         ctx, tables = context_lens.to(torch.int32), block_tables
         stride_tb = tables.stride(0)
+        max_keys = tables.shape[1] * block_size
     else:
         ctx, tables, stride_tb = cu, cu, 0
-    _invariant_attention_kernel[(grid_tiles, num_kv)](
-        q_MHD, k, v, out, cu, ctx, tables, tile_seq, tile_first, num_seqs, q_MHD.stride(0), q_MHD.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
-        float(scale), GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK,
-        PAGED=paged, num_warps=4, num_stages=2,
+        max_keys = num_tokens
+    if split is None:
+        split = grid_tiles * num_kv < SPLIT_BELOW_PROGRAMS
+    spans = triton.cdiv(max_keys, KV_SPLIT) if split else 1
+    if spans > 1:
+        ws_ml = torch.empty(spans, 2, num_tokens, num_heads, dtype=torch.float32, device=q_MHD.device)
+        ws_acc = torch.empty(spans, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q_MHD.device)
+    else:
+        ws_ml = ws_acc = out
+    lp = launch or AttentionLaunch()
+    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, SPLIT=KV_SPLIT, PAGED=paged)
+    _invariant_attention_kernel[(grid_tiles, num_kv, spans)](
+        q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, tile_seq, tile_first, num_seqs, num_tokens, q_MHD.stride(0),
+        q_MHD.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb,
+        block_size, float(scale), **meta, CHUNK=KV_CHUNK, SPLIT_K=spans > 1, num_warps=lp.num_warps,
+        num_stages=lp.num_stages,
     )  # fmt: skip
+    if spans > 1:
+        _merge_spans_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, tile_seq, tile_first, num_seqs,
+                                                  num_tokens, out.stride(0), out.stride(1), **meta,
+                                                  num_warps=4)  # fmt: skip
     return out

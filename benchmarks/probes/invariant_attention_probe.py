@@ -1,0 +1,77 @@
+"""The batch-invariant attention kernel (ops/invariant_kernels.py) at llama3-8b's TP=1 heads (32 q, 8 kv, dim 128)
+over a paged pool whose block tables are as wide as the engine's (max_model_len 8192): decode steps of B sequences at
+context 1024, a prefill of 2048 tokens and a mixed step, one program per tile against one per span of keys, under
+several warps / pipeline depths; whether each plan gives the default plan's bits.
+
+    python benchmarks/probes/invariant_attention_probe.py [--out DIR]
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from tpweave.bench.stats import median
+from tpweave.bench.timing import time_call
+from tpweave.ops import invariant_kernels as ik
+
+HEADS, KV_HEADS, DIM, BLOCK, WIDTH = 32, 8, 128, 16, 8192 // 16
+CASES = {"decode b1": ([1], [1024]), "decode b16": ([1] * 16, [1024] * 16), "decode b64": ([1] * 64, [1024] * 64),
+         "decode b256": ([1] * 256, [1024] * 256), "prefill 2048": ([2048], [2048]),
+         "mixed 64x1024 + 512": ([1] * 64 + [512], [1024] * 64 + [512])}  # fmt: skip
+LAUNCHES = [ik.AttentionLaunch(w, s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
+CALLS = 10
+
+
+def case(q_lens, ctx_lens, gen):
+    blocks = sum(-(-c // BLOCK) for c in ctx_lens)
+    k_cache = torch.randn(blocks * BLOCK, KV_HEADS, DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(ctx_lens), WIDTH, dtype=torch.int32, device="cuda")
+    used = 0
+    for b, c in enumerate(ctx_lens):
+        nb = -(-c // BLOCK)
+        tables[b, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(sum(q_lens), HEADS, DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, cu, dict(context_lens=ctx, block_tables=tables, block_size=BLOCK, scale=DIM**-0.5)
+
+
+def time_ms(fn, reps=20) -> float:
+    for _ in range(3):
+        fn()
+    return median([time_call(fn, inner=CALLS, on_cuda=True) for _ in range(reps)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (q_lens, ctx_lens) in CASES.items():
+        q, k, v, cu, kw = case(q_lens, ctx_lens, gen)
+        ref = ik.attention(q, k, v, cu, **kw)
+        row = {"case": name, "default_ms": time_ms(lambda: ik.attention(q, k, v, cu, **kw))}
+        for split in (False, True):
+            for launch in LAUNCHES:
+                key = f"{'span' if split else 'tile'}_w{launch.num_warps}s{launch.num_stages}"
+                out = ik.attention(q, k, v, cu, split=split, launch=launch, **kw)
+                row[f"{key}_ms"] = time_ms(lambda: ik.attention(q, k, v, cu, split=split, launch=launch, **kw))
+                row[f"{key}_same_bits"] = bool(torch.equal(out, ref))
+        best = min((v, key) for key, v in row.items() if key.endswith("_ms"))
+        same = all(v for key, v in row.items() if key.endswith("_same_bits"))
+        print(f"{name:22s} default {row['default_ms']:.4f} best {best[0]:.4f} {best[1]} all same bits: {same}  "
+              + " ".join(f"{k[:-3]}={v:.4f}" for k, v in row.items() if k.endswith("_ms")), flush=True)  # fmt: skip
+        rows.append(row)
+    out = Path(args.out) / "invariant_attention_probe.json"
+    out.write_text(json.dumps({"kv_split": ik.KV_SPLIT, "rows": rows}, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
