@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tpweave.bench.stats import median
-from tpweave.bench.timing import time_call
+from tpweave.bench.timing import capture, time_call
 from tpweave.ops import invariant_kernels as ik
 
 HEADS, KV_HEADS, DIM, BLOCK, WIDTH = 32, 8, 128, 16, 8192 // 16
@@ -42,9 +42,12 @@ def case(q_lens, ctx_lens, gen):
 
 
 def time_ms(fn, reps=20) -> float:
+    """GPU milliseconds per call, the call replayed from a CUDA graph (no launch overhead on the host, as in the
+    engine's graphs)."""
+    replay = capture(fn, None)
     for _ in range(3):
-        fn()
-    return median([time_call(fn, inner=CALLS, on_cuda=True) for _ in range(reps)])
+        replay()
+    return median([time_call(replay, inner=CALLS, on_cuda=True) for _ in range(reps)])
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tpweave.bench.stats import median
-from tpweave.bench.timing import time_call
+from tpweave.bench.timing import capture, time_call
 from tpweave.ops import invariant_kernels as ik
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -27,13 +27,16 @@ TILINGS = {
     "128x256": ik.LARGE_M_WIDE_TILING,
     "64x16": replace(ik.SMALL_M_TILING, block_n=16),
 }
-CALLS = 10  # back to back between the events: the kernels' time, not the host's launch
+CALLS = 10  # graph replays back to back between the events
 
 
 def time_ms(fn, reps=20) -> float:
+    """GPU milliseconds per call, the call replayed from a CUDA graph (no launch overhead on the host, as in the
+    engine's graphs)."""
+    replay = capture(fn, None)
     for _ in range(3):
-        fn()
-    return median([time_call(fn, inner=CALLS, on_cuda=True) for _ in range(reps)])
+        replay()
+    return median([time_call(replay, inner=CALLS, on_cuda=True) for _ in range(reps)])
 
 
 def main() -> None:
