@@ -41,10 +41,12 @@ SPLIT_BELOW_PROGRAMS = 264  # one program per span where (tiles x kv heads) prog
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """The attention kernel's warps and pipeline depth (no effect on results)."""
+    """The attention kernel's query rows per program (tokens x padded q heads of one kv head), warps and pipeline
+    depth."""
 
     num_warps: int = 4
     num_stages: int = 2
+    rows: int = ATTENTION_ROWS
 
 
 @dataclass(frozen=True)
@@ -62,31 +64,32 @@ class MatmulTiling:
     group_m: int = 8  # programs of GROUP_M row tiles walk the same columns together (L2 reuse; no effect on results)
 
 
-# The launch shape by M (and N, K): few rows (decode) are bound by the weights' bytes, so small tiles with deep
-# pipelining and, for a long K (a down projection), narrower columns with longer K steps (more programs, more bytes
-# per step); a few hundred rows still want more programs than 128 x 128 tiles give at N <= 8192 or a long K; many
-# rows are bound by the tensor cores, so large tiles, 128 x 256 for wide or deep products. Chosen by the probe's
-# timings on one H200 (benchmarks/probes/invariant_mm_probe.py); any other choice gives the same bits.
+# The launch shape by M, N and K, from the probe's graph-replayed timings on one H200 (benchmarks/probes/
+# invariant_mm_probe.py; any other choice gives the same bits). Up to 64 rows (decode) the weights' bytes bound it:
+# 64 x 64 tiles with deep pipelining, and where those give too few programs (N <= 4096, or a long K: a down
+# projection) 64 x 32 tiles with 128-deep K steps. From 64 to 512 rows: 64 x 64, 128 x 64 or 128 x 128 as the
+# number of tiles allows. Past 512 rows the tensor cores bound it: 128 x 128, or 128 x 256 for wide or deep products.
 SMALL_M_TILING = MatmulTiling()
 SMALL_M_LONG_K_TILING = MatmulTiling(block_n=32, block_k=128, num_stages=5)
-MID_M_TILING = MatmulTiling(block_n=128, num_stages=4)
+MID_M_TILING = MatmulTiling(block_m=128, num_stages=4)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
 TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, MID_M_TILING, LARGE_M_TILING, LARGE_M_WIDE_TILING)
-SMALL_M = 128  # rows up to which the small tilings run
-MID_M = 512  # rows up to which the mid-size choice runs
 LONG_K = 8192
+NARROW_N = 4096
 WIDE_N = 8192
 
 
 def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
     """The launch shape for an (M, K) x (K, N) product (shapes only: a CUDA graph's bucket fixes it)."""
-    if m <= SMALL_M:
-        return SMALL_M_LONG_K_TILING if k >= LONG_K else SMALL_M_TILING
-    if m <= MID_M:
-        if k >= LONG_K:
-            return SMALL_M_TILING
-        return LARGE_M_TILING if n > WIDE_N else MID_M_TILING
+    if m <= 64:
+        return SMALL_M_LONG_K_TILING if k >= LONG_K or n <= NARROW_N else SMALL_M_TILING
+    if m <= 256:
+        if n > WIDE_N:
+            return LARGE_M_TILING
+        return SMALL_M_TILING if m <= 128 else MID_M_TILING
+    if m <= 512:
+        return LARGE_M_TILING
     return LARGE_M_WIDE_TILING if n > WIDE_N or k >= LONG_K else LARGE_M_TILING
 
 
@@ -339,7 +342,8 @@ def attention(
     num_kv = k.shape[1]
     group = num_heads // num_kv
     group_pad = _group_pad(group)
-    tokens = max(1, ATTENTION_ROWS // group_pad)
+    lp = launch or AttentionLaunch()
+    tokens = max(1, lp.rows // group_pad)
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = q_MHD.new_zeros(q_MHD.shape)
     if num_tokens == 0 or num_seqs == 0:
@@ -367,7 +371,6 @@ def attention(
         ws_acc = torch.empty(spans, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q_MHD.device)
     else:
         ws_ml = ws_acc = out
-    lp = launch or AttentionLaunch()
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, SPLIT=KV_SPLIT, PAGED=paged)
     _invariant_attention_kernel[(grid_tiles, num_kv, spans)](
         q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, tile_seq, tile_first, num_seqs, num_tokens, q_MHD.stride(0),
