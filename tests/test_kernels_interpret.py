@@ -104,8 +104,10 @@ def _check_invariant_kernels() -> None:
     torch.testing.assert_close(invariant_kernels.matmul(a, w.t()).float(), ref, atol=2e-2, rtol=2e-3)
     got = invariant_kernels.matmul(a, w.t(), bias, beta=0.5, alpha=2.0).float()
     torch.testing.assert_close(got, 2 * ref + 0.5 * bias.float(), atol=4e-2, rtol=2e-3)
+    tiling = invariant_kernels.tiling_for(70, 90, 100)  # one BLOCK_K (the interpreter's dot: below)
     for rows in (slice(0, 1), slice(33, 70)):  # a row alone and in another place: the same bits
-        assert torch.equal(invariant_kernels.matmul(a[rows], w.t()), invariant_kernels.matmul(a, w.t())[rows])
+        got = invariant_kernels.matmul(a[rows], w.t(), tiling=tiling)
+        assert torch.equal(got, invariant_kernels.matmul(a, w.t())[rows])
     # a long K with a short last step, under every launch shape of one BLOCK_K: the same bits (the interpreter's dot
     # is NumPy's over a whole BLOCK_K step; the GPU test compares BLOCK_Ks)
     a, w = torch.randn(130, 8229, generator=gen).half(), torch.randn(40, 8229, generator=gen).half()
