@@ -286,7 +286,7 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
     k_cache[slots], v_cache[slots] = k_new, v_new
     whole = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
                                         block_size=bs, scale=scale)  # fmt: skip
-    for split in (False, True):  # one program per tile or per span of keys
+    for split in (False, True):  # one program per tile or per key chunk
         again = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
                                             block_size=bs, scale=scale, split=split)  # fmt: skip
         assert torch.equal(again, whole), split

@@ -211,7 +211,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_paged_prefill_kernel",
         "_invariant_matmul_kernel",
         "_invariant_attention_kernel",
-        "_merge_spans_kernel",
+        "_merge_chunks_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):
@@ -288,8 +288,7 @@ def test_invariant_matmul_kernel_compiles(has_bias):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
-    """The invariant attention, one program per tile and one per span of keys (both on wgmma), and the spans'
-    merge."""
+    """The invariant attention, one program per tile and one per key chunk (both on wgmma), and the chunks' merge."""
     from tpweave.ops import invariant_kernels as ik
 
     def types_of(fn):
@@ -301,12 +300,12 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
 
     group_pad = ik._group_pad(group)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
-                SPLIT=ik.KV_SPLIT, PAGED=paged)  # fmt: skip
+                CHUNK=ik.KV_CHUNK, PAGED=paged)  # fmt: skip
     launch = ik.AttentionLaunch()
     for split_k in (False, True):
         fn = ik._invariant_attention_kernel
-        ptx = compile_for_gpu(fn, types_of(fn), meta | dict(CHUNK=ik.KV_CHUNK, SPLIT_K=split_k),
+        ptx = compile_for_gpu(fn, types_of(fn), meta | dict(SPLIT_K=split_k),
                               num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
         assert "wgmma.mma_async" in ptx
-    fn = ik._merge_spans_kernel
+    fn = ik._merge_chunks_kernel
     assert "ld.global" in compile_for_gpu(fn, types_of(fn), meta, num_warps=4)

@@ -129,7 +129,7 @@ def _check_invariant_kernels() -> None:
         paged = dict(context_lens=ctx, block_tables=tables, block_size=bs, scale=0.2)
         got = invariant_kernels.attention(q, k_cache, v_cache, cu, split=False, **paged)
         torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
-        # one program per span of keys, then their merge: the same bits as one program per tile
+        # one program per key chunk, then their merge: the same bits as one program per tile
         assert torch.equal(invariant_kernels.attention(q, k_cache, v_cache, cu, split=True, **paged), got)
         # the chunk's last token as a decode of its own (context 150, one new token): its row's bits
         for split in (False, True):

@@ -9,11 +9,14 @@ would let decode sizes run split-K with the same bits at every M, but the chunk 
 every M: 11-24% slower at 2048 rows on one H200, and the split kernels were no faster at one row.)
 
 Attention, over a paged pool or a packed batch: a program owns one kv head and a tile of TOKENS consecutive new
-tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows, fixed per model). It walks the
-keys in chunks of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last query position: scores
-through tl.dot, a causal mask (key position <= the row's query position), an fp32 online softmax. A chunk wholly past a
-row's position adds exact zeros to it (running max, sum and output unchanged), so a row's result does not depend on
-which tile it is in, how many tokens the tile holds, or whether the step is a prefill, a chunk or a decode.
+tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows). It walks the keys in chunks
+of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last query position. Each chunk's softmax state
+is computed on its own (scores through tl.dot, a causal mask, the chunk's max, exp, sum, and the exp-weighted values
+through tl.dot, in fp32) and merged into the row's running state in key order (_merge_state). A chunk wholly past a
+row's position has the empty state, whose merge changes nothing, so a row's result does not depend on which tile it
+is in, how many tokens the tile holds, or whether the step is a prefill, a chunk or a decode. Where (tiles x kv heads)
+programs would not fill the GPU (decodes of few sequences), one program per (tile, kv head, chunk) writes its chunk's
+state and a second kernel merges them in the same order: the same bits, more programs.
 
 Tiles without a host sync: sequence b's new tokens take cdiv(q_len_b, TOKENS) tiles; the grid has the upper bound
 cdiv(M, TOKENS) + B programs per kv head, and a program finds its sequence in the tiles' running count (searchsorted
@@ -35,8 +38,7 @@ except ImportError:  # CPU-only installs: ops/invariant.py's reference path
 
 KV_CHUNK = 64  # key positions per attention step (ops/invariant.py's CPU path walks the same chunks)
 ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per attention program: one wgmma's M
-KV_SPLIT = 128  # key positions per span: a row's state is built span by span, the spans' states merged in key order
-SPLIT_BELOW_PROGRAMS = 264  # one program per span where (tiles x kv heads) programs would not fill the GPU
+SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
 
 
 @dataclass(frozen=True)
@@ -174,39 +176,30 @@ if triton is not None:
         return q_start, kv_len, (q_start + tok).to(tl.int64), g, row_ok, pos, last
 
     @triton.jit
-    def _attend_span(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, c_begin, c_end, stride_ks,
-                     stride_kh, stride_vs, stride_vh, stride_tb, block_size, scale, ROWS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
-        """The rows' online-softmax state (running max, sum, unnormalized output) over keys c_begin..c_end-1, chunk by
-        chunk, from the empty state."""
+    def _chunk_state(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, c0, stride_ks, stride_kh,
+                     stride_vs, stride_vh, stride_tb, block_size, scale, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                     PAGED: tl.constexpr):  # fmt: skip
+        """The rows' softmax state over keys c0..c0+CHUNK-1 alone: (max score, sum of exp(score - max), the
+        exp-weighted sum of values); a row that sees none of them gets (-inf, 0, 0)."""
         d = tl.arange(0, HEAD_DIM)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for c0 in range(c_begin, c_end, CHUNK):
-            t = c0 + tl.arange(0, CHUNK)
-            t_ok = t < kv_len
-            if PAGED:
-                block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
-                slot = block.to(tl.int64) * block_size + t % block_size
-            else:
-                slot = (q_start + t).to(tl.int64)
-            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key (padding rows)
-            alpha = tl.exp(m_i - safe)
-            p = tl.exp(s - safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        return m_i, l_i, acc
+        t = c0 + tl.arange(0, CHUNK)
+        t_ok = t < kv_len
+        if PAGED:
+            block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
+            slot = block.to(tl.int64) * block_size + t % block_size
+        else:
+            slot = (q_start + t).to(tl.int64)
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+        m = tl.max(s, 1)
+        p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        return m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v)
 
     @triton.jit
     def _merge_state(m_a, l_a, acc_a, m_b, l_b, acc_b):
-        """Two online-softmax states of disjoint key spans as one (b's keys after a's)."""
+        """Two softmax states of disjoint key chunks as one (b's keys after a's)."""
         m = tl.maximum(m_a, m_b)
         safe = tl.where(m == float("-inf"), 0.0, m)
         wa = tl.exp(m_a - safe)
@@ -219,9 +212,10 @@ if triton is not None:
                                     stride_ks, stride_kh, stride_vs, stride_vh, stride_om, stride_oh, stride_tb,
                                     block_size, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                                     TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                                    SPLIT: tl.constexpr, PAGED: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-        """One program per (tile, kv head), walking the tile's keys span by span (SPLIT_K False); or one per (tile, kv
-        head, span), writing the span's state to the workspace for _merge_spans_kernel (SPLIT_K True)."""
+                                    PAGED: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+        """One program per (tile, kv head), merging the tile's key chunks' states in key order (SPLIT_K False); or one
+        per (tile, kv head, chunk), writing the chunk's state to the workspace for _merge_chunks_kernel (SPLIT_K
+        True)."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile)
@@ -230,19 +224,18 @@ if triton is not None:
         q_start, kv_len, q_rows, g, row_ok, pos, last = _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP,
                                                                    GROUP_PAD, TOKENS, PAGED)  # fmt: skip
         if SPLIT_K:
-            if tl.program_id(2) * SPLIT >= last:
+            if tl.program_id(2) * CHUNK >= last:
                 return
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
         q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)  # fmt: skip
         if SPLIT_K:
-            s0 = tl.program_id(2) * SPLIT
-            m_i, l_i, acc = _attend_span(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, s0,
-                                         tl.minimum(s0 + SPLIT, last), stride_ks, stride_kh, stride_vs, stride_vh,
-                                         stride_tb, block_size, scale, TOKENS * GROUP_PAD, HEAD_DIM, CHUNK,
-                                         PAGED)  # fmt: skip
-            # the state at (span, token row, q head): m and l in ws_ml (spans, 2, M, H), acc in ws_acc (spans, M, H, D)
+            m_i, l_i, acc = _chunk_state(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos,
+                                         tl.program_id(2) * CHUNK, stride_ks, stride_kh, stride_vs, stride_vh,
+                                         stride_tb, block_size, scale, HEAD_DIM, CHUNK, PAGED)  # fmt: skip
+            # the state at (chunk, token row, q head): m and l in ws_ml (chunks, 2, M, H), acc in ws_acc (chunks, M,
+            # H, D)
             num_heads = tl.num_programs(1) * GROUP
             at = (tl.program_id(2) * 2 * num_tokens + q_rows) * num_heads + heads
             tl.store(ws_ml_ptr + at, m_i, mask=row_ok)
@@ -253,22 +246,21 @@ if triton is not None:
         m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
         acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
-        for s0 in range(0, last, SPLIT):
-            m_s, l_s, acc_s = _attend_span(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, s0,
-                                           tl.minimum(s0 + SPLIT, last), stride_ks, stride_kh, stride_vs, stride_vh,
-                                           stride_tb, block_size, scale, TOKENS * GROUP_PAD, HEAD_DIM, CHUNK,
-                                           PAGED)  # fmt: skip
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_s, l_s, acc_s)
+        for c0 in range(0, last, CHUNK):
+            m_c, l_c, acc_c = _chunk_state(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, c0, stride_ks,
+                                           stride_kh, stride_vs, stride_vh, stride_tb, block_size, scale, HEAD_DIM,
+                                           CHUNK, PAGED)  # fmt: skip
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_c, l_c, acc_c)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _merge_spans_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tile_seq_ptr, tile_first_ptr, num_seqs,
+    def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tile_seq_ptr, tile_first_ptr, num_seqs,
                             num_tokens, stride_om, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                            TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+                            TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
                             PAGED: tl.constexpr):  # fmt: skip
-        """The spans' states merged in key order, as _invariant_attention_kernel merges them in one program."""
+        """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile)
@@ -282,11 +274,11 @@ if triton is not None:
         m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
         acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
-        for span in range(0, tl.cdiv(last, SPLIT)):
-            at = (span * 2 * num_tokens + q_rows) * num_heads + heads
+        for c in range(0, tl.cdiv(last, CHUNK)):
+            at = (c * 2 * num_tokens + q_rows) * num_heads + heads
             m_s = tl.load(ws_ml_ptr + at, mask=row_ok, other=float("-inf"))
             l_s = tl.load(ws_ml_ptr + at + num_tokens * num_heads, mask=row_ok, other=0.0)
-            at = (span * num_tokens + q_rows) * num_heads + heads
+            at = (c * num_tokens + q_rows) * num_heads + heads
             acc_s = tl.load(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
             m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_s, l_s, acc_s)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -336,7 +328,8 @@ def attention(
 ) -> Tensor:
     """Causal attention of each sequence's new tokens (module doc). Paged (context_lens and block_tables given): k / v
     (slots, K, D) the page pool, the new tokens' K/V already in it. Packed: k / v (M, K, D) the new tokens' own.
-    `split` (span-parallel or not) and `launch` override the launch plan (probes, tests): neither changes a bit."""
+    `split` (one program per key chunk or not) and `launch` override the launch plan (probes, tests): neither changes
+    a bit."""
     q_MHD, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_MHD, k, v))
     num_tokens, num_heads, head_dim = q_MHD.shape
     num_kv = k.shape[1]
@@ -365,21 +358,21 @@ def attention(
         max_keys = num_tokens
     if split is None:
         split = grid_tiles * num_kv < SPLIT_BELOW_PROGRAMS
-    spans = triton.cdiv(max_keys, KV_SPLIT) if split else 1
-    if spans > 1:
-        ws_ml = torch.empty(spans, 2, num_tokens, num_heads, dtype=torch.float32, device=q_MHD.device)
-        ws_acc = torch.empty(spans, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q_MHD.device)
+    chunks = triton.cdiv(max_keys, KV_CHUNK) if split else 1
+    if chunks > 1:
+        ws_ml = torch.empty(chunks, 2, num_tokens, num_heads, dtype=torch.float32, device=q_MHD.device)
+        ws_acc = torch.empty(chunks, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q_MHD.device)
     else:
         ws_ml = ws_acc = out
-    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, SPLIT=KV_SPLIT, PAGED=paged)
-    _invariant_attention_kernel[(grid_tiles, num_kv, spans)](
+    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK, PAGED=paged)
+    _invariant_attention_kernel[(grid_tiles, num_kv, chunks)](
         q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, tile_seq, tile_first, num_seqs, num_tokens, q_MHD.stride(0),
         q_MHD.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb,
-        block_size, float(scale), **meta, CHUNK=KV_CHUNK, SPLIT_K=spans > 1, num_warps=lp.num_warps,
+        block_size, float(scale), **meta, SPLIT_K=chunks > 1, num_warps=lp.num_warps,
         num_stages=lp.num_stages,
     )  # fmt: skip
-    if spans > 1:
-        _merge_spans_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, tile_seq, tile_first, num_seqs,
+    if chunks > 1:
+        _merge_chunks_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, tile_seq, tile_first, num_seqs,
                                                   num_tokens, out.stride(0), out.stride(1), **meta,
                                                   num_warps=4)  # fmt: skip
     return out
