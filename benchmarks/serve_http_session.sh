@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 39's comparison on one GPU: one trace through `tpweave serve` (HTTP, streamed) and through the in-process
 # client, in one device call (about 7 minutes for llama3-8b on one H200: two engine builds of ~100 s each, the trace
-# twice). Results and logs are written straight under $OUT/serve-http, so a call cut short still returns what ran. Before the device call, commit, then
+# twice). Results and logs go to $OUT/serve-http.tar.gz (one file: a device call returns at most 8); a call cut short
+# returns the loose files under $OUT/serve-http instead, the first 8 of them. Before the device call, commit, then
 #   python -c "from tpweave.bench.provenance import write_manifest; print(write_manifest())"
 # and carry .tpweave-manifest.json. Then from the repository root on the GPU box:
 #   bash benchmarks/serve_http_session.sh [MODEL]
@@ -27,3 +28,4 @@ wait "$server" || echo "server rc=$?" >> "$R/server.log"
 timeout 270 python -m tpweave bench serve --model "$MODEL" -tp 1 --arms auto "${ENGINE[@]}" "${TRACE[@]}" \
     --output-dir "$R" --name "serve-inprocess-$MODEL" > "$R/inprocess.log" 2>&1 || echo "rc=$?" >> "$R/inprocess.log"
 rm -f "$R"/*.png
+tar czf "$OUT/serve-http.tar.gz" -C "$OUT" serve-http && rm -rf "$R"

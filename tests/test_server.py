@@ -332,3 +332,30 @@ def test_requests_the_engine_cannot_serve_are_refused_naming_the_field():
     with pytest.raises(RequestError) as e:
         protocol.parse_request({"messages": [{"role": "user", "content": "hi"}]}, "chat", model)
     assert "chat template" in str(e.value)
+
+
+def test_the_mailbox_wakes_the_event_loop_once_per_batch_and_keeps_order():
+    """Events posted from another thread reach their queues in order; a batch posted before the loop runs costs one
+    wake-up (call_soon_threadsafe), not one per event."""
+    from tpweave.server.http import Mailbox
+
+    loop = asyncio.new_event_loop()
+    wakeups = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
+    queues = [asyncio.Queue() for _ in range(3)]
+    mailbox = Mailbox(loop)
+
+    def engine_thread(start: int) -> None:
+        for n in range(start, start + 50):
+            mailbox.post(queues[n % 3], n)
+
+    for batch in range(2):  # two steps' events, the loop drained in between
+        worker = threading.Thread(target=engine_thread, args=(batch * 50,))
+        worker.start()
+        worker.join()
+        loop.run_until_complete(asyncio.sleep(0))
+    got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+    assert got == [[n for n in range(100) if n % 3 == k] for k in range(3)]
+    assert len(wakeups) == 2
+    loop.close()

@@ -25,6 +25,32 @@ from tpweave.server.metrics import ServerMetrics
 from tpweave.server.protocol import ParsedRequest, RequestError, ServedModel
 
 
+class Mailbox:
+    """Events from the engine loop's thread to the handlers' event loop, one wake-up per batch: each `post` queues an
+    item, and only a post that finds the mailbox empty schedules the flush (call_soon_threadsafe writes to the event
+    loop's wake-up pipe and takes its lock; one per request per step would cost the engine's thread that many times
+    over at a few hundred streams). The flush hands every queued item to its asyncio.Queue, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        """Queue item for `queue` (from any thread)."""
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:  # a flush is already scheduled and has not run
+                return
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 def _error(err: RequestError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
 
@@ -54,6 +80,7 @@ class OpenAIServer:
         self.api_key, self.max_pending = api_key, max_pending
         self.accepting = True
         self.pending = 0  # prompts handed to the engine and not ended (this thread's count)
+        self._mailbox: Mailbox | None = None  # created on the event loop by the first request
         self.app = web.Application(middlewares=[self._auth])
         self.app.add_routes([
             web.get("/health", self.health),
@@ -110,14 +137,16 @@ class OpenAIServer:
             return _error(RequestError(f"the server holds {self.pending} requests (--max-pending {self.max_pending}): "
                                        "try again later", status=503))  # fmt: skip
         events: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
+        if self._mailbox is None:  # every handler runs on this one event loop
+            self._mailbox = Mailbox(asyncio.get_running_loop())
+        mailbox = self._mailbox
         keys = [f"{req.request_id}-{i}" for i in range(len(req.prompts))]
         choices = [_Choice() for _ in keys]
         self.pending += len(keys)
         for i, (key, prompt) in enumerate(zip(keys, req.prompts)):
 
             def sink(event, i=i):
-                aloop.call_soon_threadsafe(events.put_nowait, (i, event))
+                mailbox.post(events, (i, event))
 
             self.engine_loop.submit(key, prompt, req.params, sink)
         first_token: float | None = None
