@@ -306,3 +306,29 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
                                         torch.cat([ocu, ocu[-1:] + 1]), context_lens=torch.cat([octx, ctx]),
                                         block_tables=torch.cat([otables, tab]), block_size=bs, scale=scale)  # fmt: skip
     assert torch.equal(mixed[-1:], whole[299:300])
+
+
+def test_an_input_that_would_run_eagerly_is_refused_not_answered():
+    """Past Dynamo's recompile limit an input runs eagerly, without the invariant kernels: in invariant mode that call
+    and every later one raise (naming the limit), where the default mode answers and notes it in the report."""
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x, w):
+            return (x @ w) * 2 if x.shape[0] > 3 else x @ w  # a guard on M: a new graph below 4 rows
+
+    w = torch.randn(8, 8)
+    for invariant in ("batch", None):
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=1):
+            compiled = compiler.compile(Branchy(), options=CompileOptions(invariant=invariant))
+            big = torch.randn(6, 8)
+            torch.testing.assert_close(compiled(big, w), Branchy()(big, w))
+            small = torch.randn(2, 8)
+            if invariant is None:
+                torch.testing.assert_close(compiled(small, w), small @ w)
+                assert any("recompile limit" in n for n in tpweave.report(compiled).notes)
+                continue
+            with pytest.raises(RuntimeError, match="invariant='batch': Dynamo reached its recompile limit"):
+                compiled(small, w)
+            with pytest.raises(RuntimeError, match="refuses every call from now on"):
+                compiled(torch.randn(6, 8), w)  # a shape with a graph: refused too

@@ -91,6 +91,8 @@ class CompiledTP:
     calls: dict[str, int] = field(default_factory=lambda: {"sp": 0, "split": 0, "plain": 0})
     # (variant, M == 1) -> index in compile_report.graphs of the graph compiled when such an M first ran
     graph_of: dict[tuple[str, bool], int] = field(default_factory=dict)
+    # invariant mode: why calls are refused (some inputs ran, or would run, eagerly without the invariant kernels)
+    not_invariant: str | None = None
 
     def __post_init__(self) -> None:
         if self.eager is None:
@@ -147,6 +149,9 @@ class CompiledTP:
         if num_tokens < 1:
             raise ValueError(f"empty batch: {num_tokens} tokens")
         variant = self.variant_for(num_tokens)
+        invariant = self.plan.variants[variant].invariant
+        if invariant is not None and self.not_invariant is not None:
+            raise RuntimeError(self.not_invariant)
         self.calls[variant] += 1
         _mark_dynamic(inputs)
         num_compiles_before, start = self.compile_report.num_compiles, time.monotonic()
@@ -185,6 +190,19 @@ class CompiledTP:
             )
             if function not in self.compile_report.recompile_limit_hit_in:
                 self.compile_report.recompile_limit_hit_in.append(function)
+        fell_back = [f"Dynamo reached its recompile limit in {f}" for f in watch.functions]
+        if self.variants[variant] is self.eager:
+            fell_back.append("torch.compile failed to trace this model")
+        if invariant is not None and fell_back:
+            # this call's results (and those of any later input that would need a new graph) came from the eager
+            # module, without the invariant kernels: refused from now on rather than returned
+            self.not_invariant = (
+                f"invariant={invariant!r}: {'; '.join(fell_back)}, so inputs ran eagerly without the invariant "
+                "kernels and their results would not be invariant; this compiled module refuses every call from now "
+                "on. Raise torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles says what each graph "
+                "specialized on) and compile again"
+            )
+            raise RuntimeError(self.not_invariant)
         if self.calls[variant] == 1 and self.variants[variant] is not self.eager:
             if (
                 not any(g.variant == variant for g in self.compile_report.graphs)
