@@ -16,8 +16,8 @@ so how many chunks its tile walks does not change it. The paged form writes the 
 always reads the context from the pool, so a prefill and a later decode read the same stored values.
 
 These are the CPU path, and the CUDA path where ops/invariant_kernels.py's Triton kernels do not take the inputs
-(e.g. fp32, a head dim that is not a power of 2). Where they do, one Triton launch per matmul or attention call, with
-the same guarantees (that module's doc), replaces the tile loops.
+(e.g. fp32, a head dim that is not a power of 2). Where they do, Triton launches (one per matmul, one or two per
+attention call) with the same guarantees (that module's doc) replace the tile loops.
 """
 
 from __future__ import annotations

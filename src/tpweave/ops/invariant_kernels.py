@@ -1,5 +1,6 @@
 """Triton kernels for the batch-invariant ops on CUDA (ops/invariant.py dispatches to them where `mm_supported` /
-`attention_supported` say so): one launch per matmul or attention call, no host sync, so CUDA graphs capture them.
+`attention_supported` say so): one launch per matmul, one or two per attention call, no host sync, so CUDA graphs
+capture them.
 
 Matmul, C (M, N) = A (M, K) @ B (K, N): a program owns one (BLOCK_M, BLOCK_N) tile of C and walks K in BLOCK_K steps,
 in order, accumulating in fp32 (tl.dot into the accumulator). No split-K, no stream-K: an element of C is reduced
