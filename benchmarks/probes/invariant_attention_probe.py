@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 import torch
+from invariant_mm_probe import time_ms  # this folder: GPU time per call, replayed from a CUDA graph
 
-from tpweave.bench.stats import median
-from tpweave.bench.timing import capture, time_call
 from tpweave.ops import invariant_kernels as ik
 
 HEADS, KV_HEADS, DIM, BLOCK, WIDTH = 32, 8, 128, 16, 8192 // 16
@@ -23,7 +22,6 @@ CASES = {"decode b1": ([1], [1024]), "decode b16": ([1] * 16, [1024] * 16), "dec
          "mixed 64x1024 + 512": ([1] * 64 + [512], [1024] * 64 + [512])}  # fmt: skip
 LAUNCHES = [ik.AttentionLaunch(w, s, r) for w, s, r in ((4, 2, 64), (4, 3, 64), (8, 2, 64), (8, 2, 128), (4, 2, 16),
                                                         (4, 2, 32))]  # fmt: skip
-CALLS = 10
 
 
 def case(q_lens, ctx_lens, gen):
@@ -41,15 +39,6 @@ def case(q_lens, ctx_lens, gen):
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, cu, dict(context_lens=ctx, block_tables=tables, block_size=BLOCK, scale=DIM**-0.5)
-
-
-def time_ms(fn, reps=20) -> float:
-    """GPU milliseconds per call, the call replayed from a CUDA graph (no launch overhead on the host, as in the
-    engine's graphs)."""
-    replay = capture(fn, None)
-    for _ in range(3):
-        replay()
-    return median([time_call(replay, inner=CALLS, on_cuda=True) for _ in range(reps)])
 
 
 def main() -> None:

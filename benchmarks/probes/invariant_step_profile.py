@@ -8,34 +8,16 @@ largest first, and the totals.
 
 import argparse
 import json
-import random
 from pathlib import Path
 
 import torch
+from mixed_host_probe import step_args  # this folder: the decodes-at-context + fresh-chunk step inputs
 
-from tpweave.bench.engine import _padding
 from tpweave.bench.serve import release_engine
 from tpweave.engine import LLMEngine
-from tpweave.engine.scheduler import ScheduledChunk
-from tpweave.engine.sequence import Sequence
 from tpweave.runtime.context import TPContext
 
 CALLS = 5
-
-
-def step_inputs(engine, decodes: int, context: int, fresh: int):
-    rng = random.Random(2)
-    runner, blocks = engine.runner, engine.scheduler.blocks
-    chunks = []
-    for _ in range(decodes):
-        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(context)])
-        blocks.grow(seq, context)
-        chunks.append(ScheduledChunk(seq, context - 1, 1, samples=True))
-    if fresh:
-        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(fresh)])
-        blocks.grow(seq, fresh)
-        chunks.append(ScheduledChunk(seq, 0, fresh, samples=True))
-    return runner._inputs(chunks, pad_to=_padding(runner, decodes + fresh))
 
 
 def kernel_table(fn) -> tuple[list[dict], float]:
@@ -67,7 +49,7 @@ def main() -> None:
                            gpu_memory_utilization=0.5)  # fmt: skip
         with torch.no_grad():
             for name, shape in steps.items():
-                inputs = step_inputs(engine, *shape)
+                inputs = step_args(engine, *shape)
                 rows, total = kernel_table(lambda inputs=inputs, runner=engine.runner: runner.forward(*inputs))
                 record[f"{mode or 'default'} {name}"] = {"total_us": total, "kernels": rows[:25]}
                 print(f"== {mode or 'default'} {name}: {total:.1f} us of kernels per step", flush=True)

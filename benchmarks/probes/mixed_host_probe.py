@@ -35,9 +35,10 @@ def step_args(engine, decodes: int, context: int, chunk: int):
         seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(context)])
         blocks.grow(seq, context)
         chunks.append(ScheduledChunk(seq, context - 1, 1, samples=True))
-    seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(chunk)])
-    blocks.grow(seq, chunk)
-    chunks.append(ScheduledChunk(seq, 0, chunk, samples=True))
+    if chunk:  # a fresh prompt's chunk of that many tokens
+        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(chunk)])
+        blocks.grow(seq, chunk)
+        chunks.append(ScheduledChunk(seq, 0, chunk, samples=True))
     return runner._inputs(chunks, pad_to=_padding(runner, decodes + chunk))
 
 
