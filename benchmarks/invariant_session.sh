@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 38 on one GPU, in one device call (about 6 minutes for llama3-8b on one H200): the GPU invariance tests, then
+# the cost of `--invariant batch` (the default mode and invariant mode run one after the other, compared by
+# benchmarks/probes/invariant_cost.py), then, with time left, the attention kernel's plans. Everything goes to
+# $OUT/invariant.tar.gz (one file: a device call returns at most 8). Before the device call, commit, then
+#   python -c "from tpweave.bench.provenance import write_manifest; print(write_manifest())"
+# and carry .tpweave-manifest.json. Then from the repository root on the GPU box:
+#   bash benchmarks/invariant_session.sh [MODEL] [STEPS...]     (steps: tests cost attention; default all three)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
+MODEL=${1:-llama3-8b}
+shift || true
+STEPS=${*:-tests cost attention}
+OUT="${OUT:-/tmp/invariant_out}"
+R="$OUT/invariant"
+mkdir -p "$R"
+pack() { tar czf "$OUT/invariant.tar.gz" -C "$OUT" invariant; }
+trap pack EXIT
+for step in $STEPS; do
+    case $step in
+    tests)
+        timeout 180 python -m pytest -q -m gpu tests/test_invariant.py > "$R/gpu-tests.log" 2>&1
+        echo "rc=$?" >> "$R/gpu-tests.log" ;;
+    cost)
+        for mode in default batch; do
+            flags=(); [ "$mode" = batch ] && flags=(--invariant batch)
+            timeout 240 python -m tpweave bench engine --model "$MODEL" -tp 1 --num-iters 48 "${flags[@]}" \
+                --output-dir "$R" --name "engine-$mode" > "$R/engine-$mode.log" 2>&1
+            echo "rc=$?" >> "$R/engine-$mode.log"
+        done
+        python benchmarks/probes/invariant_cost.py "$R/engine-default.json" "$R/engine-batch.json" \
+            --out "$R/invariant-cost.json" > "$R/invariant-cost.log" 2>&1 ;;
+    attention)
+        (cd benchmarks/probes && timeout 150 python invariant_attention_probe.py --out "$R") > "$R/attention.log" 2>&1
+        echo "rc=$?" >> "$R/attention.log" ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+    esac
+done
+rm -f "$R"/*.png
