@@ -66,8 +66,8 @@ def gaps(trace: dict, label: str) -> list[dict]:
     """Per profiled call named `label...`: call start to first kernel, kernel time, and idle gaps by the kernels
     around them."""
     events = trace["traceEvents"]
-    ranges = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(label)
-              and e.get("cat") == "user_annotation"]  # fmt: skip
+    marks = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    ranges = [e for e in marks if str(e.get("name", "")).startswith(label)]
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
     out = []
     for r in ranges:
@@ -75,7 +75,7 @@ def gaps(trace: dict, label: str) -> list[dict]:
         ks = [k for k in kernels if t0 <= k["ts"]]
         # the call's kernels: those launched during the range run until the GPU idles for good; take the ones
         # that start before the next range's start
-        nxt = min((q["ts"] for q in ranges if q["ts"] > t0), default=float("inf"))
+        nxt = min((q["ts"] for q in marks if q["ts"] > t0), default=float("inf"))
         ks = [k for k in ks if k["ts"] < nxt]
         if not ks:
             continue
