@@ -212,6 +212,45 @@ def test_decode_buckets_and_padded_graph_inputs():
     unpadded = runner._inputs(chunks)
     for got, want in zip((ids, pos, slots), (unpadded[0], unpadded[1], unpadded[3])):
         assert got[:5].tolist() == want.tolist()
+    # a whole-step graph's inputs: sequences padded with empty ones (no tokens, no context, the pad block), tables
+    # to a fixed width; the token rows as above
+    ids2, pos2, cu2, slots2, ctx2, tables2, rows2, _, fresh2 = runner._host_inputs(
+        chunks, pad_to=11, rows_to=4, seqs_to=6, width_to=8
+    )
+    assert cu2.tolist() == [0, 3, 5, 11, 11, 11, 11] and ctx2.tolist() == [5, 2, 6, 0, 0, 0] and not fresh2
+    assert tables2.shape == (6, 8) and tables2[0].tolist() == [3, 5] + [0] * 6 and (tables2[2:] == 8).all()
+    assert ids2.tolist() == ids.tolist() and pos2.tolist() == pos.tolist() and slots2.tolist() == slots.tolist()
+    assert rows2.tolist() == rows.tolist()
+    with pytest.raises(AssertionError, match="3 sequences padded to 2"):
+        runner._host_inputs(chunks, pad_to=11, seqs_to=2)
+
+
+def test_empty_sequences_of_a_whole_step_graph_change_no_logit():
+    """A mixed step (a decode with cached context, a chunk after cached context, a fresh chunk) padded as a
+    whole-step CUDA graph pads it (padding rows, empty sequences, wide block tables) gives each chunk the logits of
+    the step padded only to the bucket, bit for bit (CPU: the reference attention; the GPU kernels in
+    test_gpu_whole_step_graphs_replay_the_eager_forwards_logits_bitwise)."""
+    from tpweave.engine.config import EngineConfig
+    from tpweave.engine.model_runner import ModelRunner
+    from tpweave.engine.scheduler import ScheduledChunk
+    from tpweave.engine.sequence import Sequence
+
+    config = EngineConfig(dtype=torch.float32, block_size=4, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=32, compile_model=False)  # fmt: skip
+    runner = ModelRunner(tpweave.TPContext.single(), "tiny", config)
+    seqs = [Sequence(list(range(1, 10))), Sequence(list(range(20, 27))), Sequence([5, 6, 7])]
+    seqs[0].block_table, seqs[1].block_table, seqs[2].block_table = [3, 5, 7], [0, 1], [9]
+    chunks = [ScheduledChunk(seqs[0], 8, 1), ScheduledChunk(seqs[1], 4, 3), ScheduledChunk(seqs[2], 0, 3)]
+    with torch.no_grad():
+        # the cached context: each sequence's earlier tokens written into the page pool first
+        runner.forward(*runner._inputs([ScheduledChunk(seqs[0], 0, 8), ScheduledChunk(seqs[1], 0, 4)]))
+        want = runner.forward(*runner._inputs(chunks, pad_to=12, rows_to=4))
+        *arrays, pending, fresh = runner._host_inputs(chunks, pad_to=12, rows_to=4, seqs_to=7, width_to=9)
+        assert pending is None
+        ids, pos, cu, slots, ctx_lens, tables, rows = (torch.from_numpy(a) for a in arrays)
+        got = runner.forward(ids, pos, cu, slots, ctx_lens, tables, 4, rows, torch.tensor(fresh))
+    assert got.shape == want.shape == (4, runner.model.config.vocab_size)
+    assert torch.equal(got, want)
 
 
 def test_prefill_buckets_pad_a_step_by_at_most_an_eighth_past_256_tokens():
@@ -314,7 +353,8 @@ def test_gpu_piecewise_graphs_replay_the_eager_forwards_logits_bitwise():
     decodes beside a chunk, token counts on and between buckets) replayed from the engine's piecewise CUDA graphs
     give the logits of the same compiled forward run eagerly, bit for bit, on new token ids 10 times; after the
     first round no graph is captured again and no piece runs eagerly."""
-    kwargs = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048, num_layers=4)
+    kwargs = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048, num_layers=4,
+                  whole_step_graphs=False)  # fmt: skip
     steps = [
         [(1000, 0, 1000)],  # a fresh prompt: bucket 1024
         [(1300, 1000, 300)],  # a chunk behind 1000 cached tokens: 300 -> bucket 320
@@ -331,18 +371,42 @@ def test_gpu_piecewise_graphs_replay_the_eager_forwards_logits_bitwise():
 
 
 @pytest.mark.gpu(gpus=1)
-def test_gpu_engine_tokens_with_piecewise_graphs_match_teacher_forced_eager():
-    """The engine with piecewise CUDA graphs (prefill and mixed steps padded to buckets and replayed) against the
-    eager TP=1 model's teacher-forced choice, exact wherever its top-2 margin is clear; a second round of the same
-    requests captures nothing new; no step runs eagerly."""
+def test_gpu_whole_step_graphs_replay_the_eager_forwards_logits_bitwise():
+    """llama3-8b with 4 of its layers, TP=1: prefill and mixed steps (fresh prompts, a chunk after cached context,
+    decodes beside a chunk) replayed from the engine's graphs of whole steps give the logits of the same compiled
+    forward run eagerly on the same padded inputs, bit for bit, on new token ids 10 times; each kind (fresh or not)
+    replays its own graph; nothing compiles after start-up."""
+    kwargs = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048, num_layers=4)
+    steps = [
+        [(1000, 0, 1000)],  # a fresh prompt: bucket 1024
+        [(1300, 1000, 300)],  # a chunk behind 1000 cached tokens: 300 -> bucket 320
+        [(600, 599, 1)] * 8 + [(512, 0, 512)],  # 8 decodes + a 512-token chunk: 520 -> bucket 576
+        [(40, 0, 13), (90, 0, 90), (7, 0, 7)],  # 110 -> bucket 112
+    ]
+    equal, keys, captured, compiles = tpweave.launch(
+        workers.gpu_whole_step_steps, "llama3-8b", kwargs, steps, 10, nprocs=1, backend="nccl"
+    )[0]
+    assert equal == {i: 10 for i in range(len(steps))}, equal
+    assert keys == {0: (1024, True), 1: (320, False), 2: (576, False), 3: (112, True)}, keys
+    assert captured > 0 and compiles == 0, (captured, compiles)
+
+
+@pytest.mark.gpu(gpus=1)
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-step-graphs", "piecewise"])
+def test_gpu_engine_tokens_with_prefill_graphs_match_teacher_forced_eager(whole):
+    """The engine with CUDA graphs of prefill and mixed steps (padded to buckets: whole-step graphs, or the pieces
+    between attention ops) against the eager TP=1 model's teacher-forced choice, exact wherever its top-2 margin is
+    clear; a second round of the same requests captures nothing new; no step runs eagerly."""
     rng = random.Random(2)
     prompts = [[rng.randrange(128256) for _ in range(n)] for n in (5, 33, 101, 257, 700)]
-    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, num_layers=8)
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, num_layers=8,
+                  whole_step_graphs=whole)  # fmt: skip
     rounds = tpweave.launch(workers.gpu_piecewise_generate, "llama3-8b", prompts, 32, kwargs, nprocs=1, backend="nccl")[
         0
     ]
     (got, stats, pieces), (again, stats2, pieces2) = rounds
-    assert stats["piecewise"] > 0 and stats["eager"] == 0 and stats["decode_graph"] > 0, stats
+    assert stats["whole_graph" if whole else "piecewise"] > 0 and stats["eager"] == 0, stats
+    assert stats["piecewise" if whole else "whole_graph"] == 0 and stats["decode_graph"] > 0, stats
     assert pieces2["captures"] == pieces["captures"] and pieces2["eager_misses"] == 0, (pieces, pieces2)
     assert [g["token_ids"] for g in again] == [g["token_ids"] for g in got]
     _assert_teacher_forced(prompts, got, 32)

@@ -1233,6 +1233,42 @@ def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
     return equal, counts[0], counts[-1], dict(runner.capture_stats)
 
 
+def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
+    """gpu_piecewise_steps for the engine's CUDA graphs of whole prefill and mixed steps: each step's logits from
+    its graph (runner.whole_step) against the compiled forward run eagerly on the same padded inputs, `replays`
+    times on new token ids. Returns {step index: replays whose logits were bitwise equal}, {step index: the graph
+    key (bucket, fresh) it replayed}, the graphs captured at start-up and the compiles after it."""
+    import random
+
+    from tpweave.engine import LLMEngine
+    from tpweave.engine.scheduler import ScheduledChunk
+    from tpweave.engine.sequence import Sequence
+
+    engine = LLMEngine(ctx, model, **engine_kwargs)
+    runner, rng = engine.runner, random.Random(0)
+    report = runner.forward.compile_report
+    compiles, captured = report.num_compiles, len(runner.step_graphs)
+    equal, keys, dev = {}, {}, ctx.device
+    for _ in range(replays):
+        for i, step in enumerate(steps):
+            chunks = []
+            for length, start, num_new in step:
+                seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(length)])
+                engine.scheduler.blocks.grow(seq, start + num_new)
+                chunks.append(ScheduledChunk(seq, start, num_new, samples=True))
+            bucket, run = runner.whole_step(chunks)
+            graphed = run().clone()
+            *arrays, _, fresh = runner._host_inputs(chunks, pad_to=bucket, rows_to=runner.config.max_num_seqs,
+                                                    seqs_to=runner._step_seqs, width_to=runner._step_width)  # fmt: skip
+            ids, pos, cu, slots, ctx_lens, tables, rows = (torch.from_numpy(a).to(dev) for a in arrays)
+            eager = runner.forward(ids, pos, cu, slots, ctx_lens, tables, runner.block_size, rows, torch.tensor(fresh))
+            equal[i] = equal.get(i, 0) + int(torch.equal(eager[: len(chunks)], graphed))
+            keys[i] = (bucket, fresh)
+            for c in chunks:
+                engine.scheduler.blocks.free(c.seq)
+    return equal, keys, captured, report.num_compiles - compiles
+
+
 def gpu_piecewise_generate(ctx, model, prompts, max_tokens, engine_kwargs):
     """gpu_engine_generate twice in one engine: tokens, the runner's step counts and the piecewise graphs' stats
     after each round."""

@@ -288,9 +288,12 @@ def _peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) -> tuple[dict[str, Any], list, Any]:
+def _step_timings(
+    runner, args: tuple, *, calls: int, reps: int, sample=None, whole=None
+) -> tuple[dict[str, Any], list, Any]:
     """One step's forward (args: `runner._inputs` of the step, padded as the engine pads it), interleaved per
-    repetition: as the engine runs it (its piecewise graphs replayed; back to back and one call from an idle GPU),
+    repetition: as the engine runs it (`whole`, from runner.whole_step: its inputs copied into its graph of the whole
+    step and that graph replayed; else its piecewise graphs replayed; back to back and one call from an idle GPU),
     the whole forward in one CUDA graph replayed back to back, and the compiled forward without graphs (one call).
     `sample()` runs once per repetition (the matmul rate between samples). (row fields, sample()'s results, a callable
     giving the kernel fields: torch.profiler, to run after every timing of the run)"""
@@ -299,6 +302,8 @@ def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) ->
         return runner.forward(*args)
 
     def engine_path():
+        if whole is not None:
+            return whole()
         if runner.pieces is None:
             return eager()
         with runner.pieces.replaying():
@@ -350,6 +355,11 @@ def _step_timings(runner, args: tuple, *, calls: int, reps: int, sample=None) ->
     return row, samples, kernels
 
 
+def _path(runner, whole) -> str:
+    """How the engine runs a prefill or mixed step: "whole-step graph", "piecewise" graphs or "eager"."""
+    return "whole-step graph" if whole is not None else "piecewise" if runner.pieces is not None else "eager"
+
+
 def _padding(runner, num_tokens: int) -> int:
     """The token count the engine pads a step of num_tokens to (itself when it runs without piecewise graphs)."""
     return bucket_for(runner.prefill_buckets, num_tokens) or num_tokens if runner.pieces is not None else num_tokens
@@ -366,13 +376,16 @@ def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: l
         seq = Sequence(prompt)
         engine.scheduler.blocks.grow(seq, num_tokens)
         padded = _padding(runner, num_tokens)
-        args = runner._inputs([ScheduledChunk(seq, 0, num_tokens, samples=True)], pad_to=padded)
+        chunks = [ScheduledChunk(seq, 0, num_tokens, samples=True)]
+        args = runner._inputs(chunks, pad_to=padded)
+        whole = runner.whole_step(chunks)
         # the matmul rate sampled between the forward's samples too: under this sustained load the GPU's power limit
         # lowers its clocks (an H200 measured 628-697 TFLOP/s here against 793 from cold)
         with torch.no_grad():  # as the engine runs it (grad mode is part of the compiled graph's guards)
             timing, peaks, kernels = _step_timings(
-                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5), sample=matmul.rate
-            )
+                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5), sample=matmul.rate,
+                whole=whole and whole[1],
+            )  # fmt: skip
         engine.scheduler.blocks.free(seq)
         step_ms = []
         for _ in range(max(settings.replays // 5, 5)):
@@ -390,6 +403,7 @@ def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: l
             "what": "engine_prefill",
             "tokens": num_tokens,
             "padded_to": padded,
+            "path": _path(runner, whole),
             **timing,
             "request_ms": median(step_ms),
             "request_ms_samples": step_ms,
@@ -427,14 +441,16 @@ def _mixed_rows(engine: LLMEngine, settings: EngineBenchSettings, later: list) -
         num_tokens = decodes + chunk
         padded = _padding(runner, num_tokens)
         args = runner._inputs(chunks, pad_to=padded)
+        whole = runner.whole_step(chunks)
         with torch.no_grad():
             timing, _, kernels = _step_timings(
-                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5)
-            )
+                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5),
+                whole=whole and whole[1],
+            )  # fmt: skip
         for c in chunks:
             engine.scheduler.blocks.free(c.seq)
         rows.append({"what": "engine_mixed", "decodes": decodes, "context": context, "chunk": chunk,
-                     "tokens": num_tokens, "padded_to": padded, **timing})  # fmt: skip
+                     "tokens": num_tokens, "padded_to": padded, "path": _path(runner, whole), **timing})  # fmt: skip
         later.append(lambda row=rows[-1], kernels=kernels: row.update(kernels()))
     return rows
 
@@ -482,7 +498,7 @@ def bench_engine(
         "piecewise": runner.pieces.stats() if runner.pieces is not None else None,
         "prefill_buckets": list(runner.prefill_buckets),
         "steps": dict(steps),
-        "padded_tokens_per_step": steps["padded_tokens"] / max(steps["piecewise"], 1),
+        "padded_tokens_per_step": steps["padded_tokens"] / max(steps["piecewise"] + steps["whole_graph"], 1),
         "padded_fraction": steps["padded_tokens"] / max(steps["tokens"], 1),
     }
     record = {

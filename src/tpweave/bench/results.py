@@ -94,10 +94,10 @@ SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_faile
 ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_ms", "step_over_forward", "roofline_ms",
                          "of_roofline", "gemm_ms", "attention_ms", "other_ms", "kernels_per_step",
                          "kernels_per_forward", "graph_bucket"]  # fmt: skip
-ENGINE_PREFILL_COLUMNS = ["tokens", "padded_to", "forward_ms", "single_call_ms", "graph_forward_ms",
+ENGINE_PREFILL_COLUMNS = ["tokens", "padded_to", "path", "forward_ms", "single_call_ms", "graph_forward_ms",
                           "single_over_graph", "eager_single_ms", "request_ms", "roofline_ms", "of_roofline",
                           "of_datasheet_peak", "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip
-ENGINE_MIXED_COLUMNS = ["decodes", "context", "chunk", "tokens", "padded_to", "forward_ms", "single_call_ms",
+ENGINE_MIXED_COLUMNS = ["decodes", "context", "chunk", "tokens", "padded_to", "path", "forward_ms", "single_call_ms",
                         "graph_forward_ms", "single_over_graph", "eager_single_ms", "host_ms", "kernel_ms",
                         "graph_kernel_ms", "peak_bytes_eager", "peak_bytes_engine"]  # fmt: skip
 # (row kind, section title, columns, plot: (x key, y key, x label, y label) or None)

@@ -21,7 +21,9 @@ class EngineConfig:
     max_position_embeddings. baseline=True: plain TP (the model's NCCL all-reduces, no SP or async TP),
     for A/B runs. cuda_graphs: decode steps replay a graph captured per batch-size bucket (CUDA only), and with
     piecewise_graphs prefill and mixed steps replay the pieces between attention ops, captured per token-count
-    bucket (`prefill_graph_sizes`, default engine/buckets.py's up to max_num_batched_tokens; steps padded up).
+    bucket (`prefill_graph_sizes`, default engine/buckets.py's up to max_num_batched_tokens; steps padded up);
+    with whole_step_graphs, such steps replay instead one graph of the whole forward per bucket, attention included
+    (their sequences padded to a fixed count; not in invariant mode, which keeps the pieces).
     async_scheduling: plan and launch each step before reading the previous step's tokens (engine/llm_engine.py).
     model_overrides: ModelConfig fields to change (e.g. num_layers)."""
 
@@ -38,6 +40,7 @@ class EngineConfig:
     token_split_min_tokens: int | None = None  # None: the calibration table's (CompileOptions)
     cuda_graphs: bool = True
     piecewise_graphs: bool = True
+    whole_step_graphs: bool = True
     prefill_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool = True
     gpu_memory_utilization: float = 0.9

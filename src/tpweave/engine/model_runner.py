@@ -10,18 +10,23 @@ host has read the previous one's tokens.
 On CUDA the KV cache is sized from the memory left after an eager warm-up at the largest step
 (max_num_batched_tokens), agreed as the minimum over ranks. Decode steps (one new token per
 sequence) replay a CUDA graph of the whole forward captured per batch-size bucket. Prefill and mixed
-steps are padded up to a token-count bucket (engine/buckets.py) and replay the compiled forward's
-pieces between its attention ops, captured per bucket (compiler/piecewise.py: the sequence-parallel,
-async-TP and token-split rewrites inside them), attention running eagerly between them; the padding
-rows are one more sequence, of their own, in the pad block. Every graph shares one memory pool. The
-page pool has one block more than the block manager hands out: padded rows of a graph bucket write
-their K/V there.
+steps are padded up to a token-count bucket (engine/buckets.py); the padding rows are one more
+sequence, of their own, in the pad block. Such a step replays a CUDA graph of the whole forward, attention
+included, captured per bucket and per kind (every sequence fresh, or some with cached context): the
+attention kernels' launches depend on shapes alone, so the step's sequences are padded too, to a fixed
+count of sequences (the rest have no tokens) and a fixed block-table width. Without those graphs
+(`whole_step_graphs=False`, invariant mode) the step replays the compiled forward's pieces between its
+attention ops, captured per bucket (compiler/piecewise.py), attention running eagerly between them.
+The sequence-parallel, async-TP and token-split rewrites run inside every graph. Every graph shares one
+memory pool. The page pool has one block more than the block manager hands out: padded rows of a graph
+bucket write their K/V there.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,7 +118,8 @@ class ModelRunner:
             self.prefill_buckets = list(config.prefill_graph_sizes or prefill_buckets(config.max_num_batched_tokens))
         self._row_buckets = decode_buckets(config.max_num_seqs)  # sampled rows of a piecewise step, padded up
         # steps by how they ran, tokens scheduled and padding rows added
-        self.step_stats = {"decode_graph": 0, "piecewise": 0, "eager": 0, "tokens": 0, "padded_tokens": 0}
+        self.step_stats = {"decode_graph": 0, "whole_graph": 0, "piecewise": 0, "eager": 0, "tokens": 0,
+                           "padded_tokens": 0}  # fmt: skip
         self.capture_stats: dict[str, float] = {}
         self._last = LaunchedStep([])  # the latest launched step: pending tokens come from its samples
         self._last_rows: dict[int, int] = {}  # seq_id -> row of self._last.tokens
@@ -126,12 +132,25 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._static_out: dict[int, torch.Tensor] = {}  # each decode graph's output (logits of its bucket)
         self.num_graph_replays = 0
+        # whole prefill and mixed steps: (token bucket, every sequence fresh) -> graph, its logits (rows, V); static
+        # inputs shared by every bucket (views of the largest); sequences padded to _step_seqs, logits rows to
+        # max_num_seqs, block tables to _step_width
+        self.step_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._step_out: dict[tuple[int, bool], torch.Tensor] = {}
+        self._step_static: list[torch.Tensor] = []
+        buckets = self.prefill_buckets
+        # a step of T tokens in T sequences would take the decode kernel (ops/attention.py): never pad to that count
+        self._step_seqs = next(n for n in itertools.count(config.max_num_seqs + 1) if n not in buckets)
+        self._step_width = max([self.max_blocks_per_seq] + [-(-b // self.block_size) for b in buckets])
+        whole = self.pieces is not None and config.whole_step_graphs and config.invariant is None
         if graphs:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
             # workspaces for the largest M, so nothing is reallocated under a captured graph.
             self._largest_step(config.max_num_batched_tokens)
             reserved = torch.cuda.memory_reserved(self.ctx.device)
-            if self.pieces is not None:
+            if whole:
+                self._capture_step_graphs(self.prefill_buckets)
+            elif self.pieces is not None:
                 self._capture_piecewise(self.prefill_buckets)
             start = time.perf_counter()
             self._capture_decode_graphs(decode_buckets(config.max_num_seqs))
@@ -144,6 +163,8 @@ class ModelRunner:
         this process); the runner cannot step afterwards."""
         self.graphs.clear()
         self._static_out.clear()
+        self.step_graphs.clear()
+        self._step_out.clear()
         if self.pieces is not None:
             self.pieces.release()
         self.model.set_kv_cache(None)
@@ -214,6 +235,26 @@ class ModelRunner:
         pad_to: that many token rows, the rows past the chunks' tokens one more sequence of its own (token 0,
         positions from 0, K/V in the pad block, no cached context): what every other sequence computes is
         unchanged. rows_to: that many logits rows, the last chunk's row repeated."""
+        *arrays, pending, fresh = self._host_inputs(chunks, pad_to=pad_to, rows_to=rows_to)
+        dev = self.ctx.device
+        ids, positions, cu, slots, ctx_lens, tables, rows = (torch.from_numpy(a).to(dev, non_blocking=True)
+                                                             for a in arrays)  # fmt: skip
+        return (self._fill_pending(ids, pending), positions, cu, slots, ctx_lens, tables, self.block_size, rows,
+                torch.tensor(fresh))  # fmt: skip
+
+    def _host_inputs(
+        self,
+        chunks: list[ScheduledChunk],
+        *,
+        pad_to: int | None = None,
+        rows_to: int | None = None,
+        seqs_to: int | None = None,
+        width_to: int | None = None,
+    ) -> tuple:
+        """`_inputs`'s tensors as numpy arrays (ids, positions, cu_seqlens int32, slots, context lengths int32,
+        block tables int32, rows), then the pending rows (`_pending`) and the fresh bool. seqs_to: that many
+        sequences, the ones past the chunks (and the padding rows' sequence) with no tokens and no context;
+        width_to: block tables that wide."""
         n, bs = len(chunks), self.block_size
         starts = np.fromiter((c.start for c in chunks), np.int64, n)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
@@ -226,6 +267,15 @@ class ModelRunner:
         if pad:
             starts, lens = np.append(starts, 0), np.append(lens, pad)
             width = max(width, -(-pad // bs))
+        if seqs_to is not None:
+            if seqs_to < len(lens):
+                raise AssertionError(f"{len(lens)} sequences padded to {seqs_to}")
+            empty = np.zeros(seqs_to - len(lens), dtype=np.int64)
+            starts, lens = np.append(starts, empty), np.append(lens, empty)
+        if width_to is not None:
+            if width_to < width:
+                raise AssertionError(f"block tables {width} wide padded to {width_to}")
+            width = width_to
         cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         total = int(cu[-1])
@@ -236,21 +286,14 @@ class ModelRunner:
         pending = self._pending(ids, lambda row: chunks[owner[row]].seq.seq_id)
         positions = np.arange(total, dtype=np.int64) - cu[:-1][owner] + starts[owner]
         tables = self._tables(chunks, len(lens), width, 0)
+        tables[n:] = self.pad_block  # the padding rows' sequence and the empty ones
         if pad:
-            tables[n:] = self.pad_block
             positions[total - pad :] %= self.model.config.max_position_embeddings
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         if rows_to is not None and rows_to > n:
             rows = np.concatenate([rows, np.full(rows_to - n, rows[-1])])
-        dev = self.ctx.device
-
-        def put(a: np.ndarray, dtype=None) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.to(device=dev, dtype=dtype or t.dtype, non_blocking=True)
-
-        ids_dev = self._fill_pending(put(ids), pending)
-        return (ids_dev, put(positions), put(cu, torch.int32), put(slots), put(starts + lens, torch.int32),
-                put(tables), bs, put(rows), torch.tensor(fresh))  # fmt: skip
+        return (ids, positions, cu.astype(np.int32), slots, (starts + lens).astype(np.int32), tables, rows, pending,
+                fresh)  # fmt: skip
 
     def _pending(self, ids: np.ndarray, seq_of_row) -> np.ndarray | None:
         """(2, P) rows of `ids` holding PENDING and the rows of the previous step's samples they come from
@@ -316,6 +359,72 @@ class ModelRunner:
         torch.cuda.synchronize(self.ctx.device)
         self.capture_stats["piecewise_capture_s"] = time.perf_counter() - start
         self.capture_stats["piecewise_graphs"] = self.pieces.num_graphs
+
+    @torch.no_grad()
+    def _capture_step_graphs(self, buckets: list[int]) -> None:
+        """A graph of the whole forward per token bucket and kind (fresh or not), largest first, on inputs of one
+        sequence of that many tokens in the pad block and empty ones up to _step_seqs."""
+        progress("capturing CUDA graphs of whole prefill and mixed steps for %d sizes (up to %d tokens)", len(buckets),
+                 max(buckets))  # fmt: skip
+        start, dev, bs = time.perf_counter(), self.ctx.device, self.block_size
+        top, seqs, rows = max(buckets), self._step_seqs, self.config.max_num_seqs
+        self._step_static = [
+            torch.zeros(top, dtype=torch.int64, device=dev),  # token ids
+            torch.arange(top, device=dev) % self.model.config.max_position_embeddings,  # positions
+            torch.zeros(seqs + 1, dtype=torch.int32, device=dev),  # cu_seqlens
+            torch.zeros(top, dtype=torch.int64, device=dev),  # KV slots
+            torch.zeros(seqs, dtype=torch.int32, device=dev),  # context lengths
+            torch.full((seqs, self._step_width), self.pad_block, dtype=torch.int32, device=dev),  # block tables
+            torch.zeros(rows, dtype=torch.int64, device=dev),  # logits rows
+        ]
+        ids, pos, cu, slots, ctx_lens, _, _ = self._step_static
+        slots.copy_(self.pad_block * bs + pos % bs)
+        for bucket in sorted(buckets, reverse=True):
+            cu[1:].fill_(bucket)
+            ctx_lens.zero_()
+            ctx_lens[0] = bucket
+            for fresh in (False, True):
+                args = self._step_args(bucket, fresh)
+                self.forward(*args)  # warm-up (a graph compiled for the new shapes, if any, before the capture)
+                torch.cuda.synchronize(dev)
+                if self.ctx.world_size > 1:
+                    dist.barrier(group=self.ctx.group)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._step_out[(bucket, fresh)] = self.forward(*args)
+                self.step_graphs[(bucket, fresh)] = graph
+        torch.cuda.synchronize(dev)
+        self.capture_stats["step_capture_s"] = time.perf_counter() - start
+        self.capture_stats["step_graphs"] = len(self.step_graphs)
+
+    def _step_args(self, bucket: int, fresh: bool) -> tuple:
+        ids, pos, cu, slots, ctx_lens, tables, rows = self._step_static
+        flag = torch.tensor(fresh)
+        return ids[:bucket], pos[:bucket], cu, slots[:bucket], ctx_lens, tables, self.block_size, rows, flag
+
+    def whole_step(self, chunks: list[ScheduledChunk]) -> tuple[int, Callable[[], torch.Tensor]] | None:
+        """(the token bucket, a callable that runs this prefill or mixed step from its graph of the whole forward:
+        the inputs copied into the graph's, the graph replayed, the logits rows of the chunks returned), or None
+        where no such graph serves the step. The inputs are built on the host here, copied when it is called."""
+        if not self.step_graphs or len(chunks) > self.config.max_num_seqs:
+            return None
+        bucket = bucket_for(self.prefill_buckets, sum(c.num_tokens for c in chunks))
+        if bucket is None:
+            return None
+        *arrays, pending, fresh = self._host_inputs(chunks, pad_to=bucket, rows_to=self.config.max_num_seqs,
+                                                    seqs_to=self._step_seqs, width_to=self._step_width)  # fmt: skip
+        key = (bucket, fresh)
+        graph, out = self.step_graphs[key], self._step_out[key]
+
+        def run() -> torch.Tensor:
+            for dst, a in zip(self._step_static, arrays):
+                dst[: len(a)].copy_(torch.from_numpy(a), non_blocking=True)
+            self._fill_pending(self._step_static[0][:bucket], pending)
+            graph.replay()
+            self.num_graph_replays += 1
+            return out[: len(chunks)]
+
+        return bucket, run
 
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
         progress("capturing decode CUDA graphs for %d batch sizes (up to %d)", len(buckets), max(buckets))
@@ -387,8 +496,13 @@ class ModelRunner:
         if logits is not None:
             self.step_stats["decode_graph"] += 1
         else:
+            whole = self.whole_step(chunks)
             bucket = bucket_for(self.prefill_buckets, num_tokens) if self.pieces is not None else None
-            if bucket is None:
+            if whole is not None:
+                self.step_stats["whole_graph"] += 1
+                self.step_stats["padded_tokens"] += whole[0] - num_tokens
+                logits = whole[1]()
+            elif bucket is None:
                 self.step_stats["eager"] += 1
                 logits = self.forward(*self._inputs(chunks))  # (B, V): the last row of each chunk
             else:

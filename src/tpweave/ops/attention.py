@@ -119,6 +119,8 @@ def _paged_attention_reference(q_MHD, k_cache, v_cache, cu_seqlens_q, context_le
     bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         num_q, num_kv = end - start, lens[b]
+        if num_q == 0:  # a sequence of a padded step with no tokens (engine/model_runner.py)
+            continue
         pos = torch.arange(num_kv, device=q_MHD.device)
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
         k = k_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)  # (H, L, D)
