@@ -1,6 +1,7 @@
 """Engine on CPU: greedy generation at TP=2 (compiled, SP + async TP) gives the same tokens as TP=1
 eager, through chunked prefill, mixed steps and preemption; bad requests are rejected alone."""
 
+import dataclasses
 import random
 
 import pytest
@@ -251,6 +252,14 @@ def test_empty_sequences_of_a_whole_step_graph_change_no_logit():
         got = runner.forward(ids, pos, cu, slots, ctx_lens, tables, 4, rows, torch.tensor(fresh))
     assert got.shape == want.shape == (4, runner.model.config.vocab_size)
     assert torch.equal(got, want)
+    # sequence buckets: x4 apart up to max_num_seqs + 1; a step of T tokens uses those up to the first that holds
+    # T + 1 sequences; never T sequences of T tokens (the attention op would take the step for decodes)
+    config = dataclasses.replace(config, max_num_seqs=64, max_num_batched_tokens=64)
+    runner = ModelRunner(tpweave.TPContext.single(), "tiny", config)
+    assert runner._seq_buckets == [9, 33, 65] and not runner.step_graphs  # no graphs on a CPU
+    assert runner._step_seq_buckets(8) == [9] and runner._step_seq_buckets(9) == [9, 33]
+    assert runner._step_seq_buckets(64) == [9, 33, 65]
+    assert runner._step_seqs(9, 9) == 10 and runner._step_seqs(16, 9) == 9
 
 
 def test_prefill_buckets_pad_a_step_by_at_most_an_eighth_past_256_tokens():
@@ -374,8 +383,8 @@ def test_gpu_piecewise_graphs_replay_the_eager_forwards_logits_bitwise():
 def test_gpu_whole_step_graphs_replay_the_eager_forwards_logits_bitwise():
     """llama3-8b with 4 of its layers, TP=1: prefill and mixed steps (fresh prompts, a chunk after cached context,
     decodes beside a chunk) replayed from the engine's graphs of whole steps give the logits of the same compiled
-    forward run eagerly on the same padded inputs, bit for bit, on new token ids 10 times; each kind (fresh or not)
-    replays its own graph; nothing compiles after start-up."""
+    forward run eagerly on the same padded inputs, bit for bit, on new token ids 10 times; each token count, sequence
+    count and kind (fresh or not) replays its own graph; no replay compiles."""
     kwargs = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048, num_layers=4)
     steps = [
         [(1000, 0, 1000)],  # a fresh prompt: bucket 1024
@@ -387,7 +396,8 @@ def test_gpu_whole_step_graphs_replay_the_eager_forwards_logits_bitwise():
         workers.gpu_whole_step_steps, "llama3-8b", kwargs, steps, 10, nprocs=1, backend="nccl"
     )[0]
     assert equal == {i: 10 for i in range(len(steps))}, equal
-    assert keys == {0: (1024, True), 1: (320, False), 2: (576, False), 3: (112, True)}, keys
+    # sequences with the padding rows' one: 2, 2, 10, 4 -> buckets 9 and 17 (max_num_seqs + 1)
+    assert keys == {0: (1024, 9, True), 1: (320, 9, False), 2: (576, 17, False), 3: (112, 9, True)}, keys
     assert captured > 0 and compiles == 0, (captured, compiles)
 
 

@@ -1237,17 +1237,19 @@ def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
     """gpu_piecewise_steps for the engine's CUDA graphs of whole prefill and mixed steps: each step's logits from
     its graph (runner.whole_step) against the compiled forward run eagerly on the same padded inputs, `replays`
     times on new token ids. Returns {step index: replays whose logits were bitwise equal}, {step index: the graph
-    key (bucket, fresh) it replayed}, the graphs captured at start-up and the compiles after it."""
+    key (token bucket, sequence bucket, fresh) it replayed}, the graphs captured at start-up and the compiles during
+    the replays (the eager comparisons may compile their own)."""
     import random
 
     from tpweave.engine import LLMEngine
+    from tpweave.engine.buckets import bucket_for
     from tpweave.engine.scheduler import ScheduledChunk
     from tpweave.engine.sequence import Sequence
 
     engine = LLMEngine(ctx, model, **engine_kwargs)
     runner, rng = engine.runner, random.Random(0)
     report = runner.forward.compile_report
-    compiles, captured = report.num_compiles, len(runner.step_graphs)
+    replay_compiles, captured = 0, len(runner.step_graphs)
     equal, keys, dev = {}, {}, ctx.device
     for _ in range(replays):
         for i, step in enumerate(steps):
@@ -1257,16 +1259,21 @@ def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
                 engine.scheduler.blocks.grow(seq, start + num_new)
                 chunks.append(ScheduledChunk(seq, start, num_new, samples=True))
             bucket, run = runner.whole_step(chunks)
+            before = report.num_compiles
             graphed = run().clone()
-            *arrays, _, fresh = runner._host_inputs(chunks, pad_to=bucket, rows_to=runner.config.max_num_seqs,
-                                                    seqs_to=runner._step_seqs, width_to=runner._step_width)  # fmt: skip
+            replay_compiles += report.num_compiles - before
+            num_tokens = sum(c.num_tokens for c in chunks)
+            seq_bucket = bucket_for(runner._seq_buckets, len(chunks) + (bucket > num_tokens))
+            *arrays, _, fresh = runner._host_inputs(chunks, pad_to=bucket, rows_to=seq_bucket,
+                                                    seqs_to=runner._step_seqs(bucket, seq_bucket),
+                                                    width_to=runner._step_width)  # fmt: skip
             ids, pos, cu, slots, ctx_lens, tables, rows = (torch.from_numpy(a).to(dev) for a in arrays)
             eager = runner.forward(ids, pos, cu, slots, ctx_lens, tables, runner.block_size, rows, torch.tensor(fresh))
             equal[i] = equal.get(i, 0) + int(torch.equal(eager[: len(chunks)], graphed))
-            keys[i] = (bucket, fresh)
+            keys[i] = (bucket, seq_bucket, fresh)
             for c in chunks:
                 engine.scheduler.blocks.free(c.seq)
-    return equal, keys, captured, report.num_compiles - compiles
+    return equal, keys, captured, replay_compiles
 
 
 def gpu_piecewise_generate(ctx, model, prompts, max_tokens, engine_kwargs):

@@ -45,6 +45,9 @@ from tpweave.log import progress
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
 
+# sequence counts a whole-step graph is captured for (then max_num_seqs + 1): x4 apart, so that a step's empty
+# sequences cost at most about what its own do
+STEP_SEQ_BUCKETS = (9, 33, 129, 513, 2049)
 DEFAULT_CPU_BLOCKS = 256
 
 
@@ -132,16 +135,17 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._static_out: dict[int, torch.Tensor] = {}  # each decode graph's output (logits of its bucket)
         self.num_graph_replays = 0
-        # whole prefill and mixed steps: (token bucket, every sequence fresh) -> graph, its logits (rows, V); static
-        # inputs shared by every bucket (views of the largest); sequences padded to _step_seqs, logits rows to
-        # max_num_seqs, block tables to _step_width
-        self.step_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._step_out: dict[tuple[int, bool], torch.Tensor] = {}
+        # whole prefill and mixed steps: (token bucket, sequence bucket, every sequence fresh) -> graph, its logits
+        # (sequence bucket rows, V); static inputs shared by every graph (views); sequences (the chunks' and the
+        # padding rows') padded with empty ones up to a bucket of STEP_SEQ_BUCKETS (an empty sequence still costs
+        # the attention kernels a program per head: padding every step to max_num_seqs cost a 2048-token prefill
+        # 3% on one H200), block tables to _step_width
+        self.step_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._step_out: dict[tuple[int, int, bool], torch.Tensor] = {}
         self._step_static: list[torch.Tensor] = []
-        buckets = self.prefill_buckets
-        # a step of T tokens in T sequences would take the decode kernel (ops/attention.py): never pad to that count
-        self._step_seqs = next(n for n in itertools.count(config.max_num_seqs + 1) if n not in buckets)
-        self._step_width = max([self.max_blocks_per_seq] + [-(-b // self.block_size) for b in buckets])
+        top = config.max_num_seqs + 1
+        self._seq_buckets = [b for b in STEP_SEQ_BUCKETS if b < top] + [top]
+        self._step_width = max([self.max_blocks_per_seq] + [-(-b // self.block_size) for b in self.prefill_buckets])
         whole = self.pieces is not None and config.whole_step_graphs and config.invariant is None
         if graphs:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
@@ -360,14 +364,27 @@ class ModelRunner:
         self.capture_stats["piecewise_capture_s"] = time.perf_counter() - start
         self.capture_stats["piecewise_graphs"] = self.pieces.num_graphs
 
+    def _step_seq_buckets(self, num_tokens: int) -> list[int]:
+        """The sequence buckets of a step of num_tokens rows (at most num_tokens + 1 sequences: the padding rows'):
+        those up to the first that holds that many."""
+        buckets = self._seq_buckets
+        return [b for i, b in enumerate(buckets) if i == 0 or buckets[i - 1] < num_tokens + 1]
+
+    @staticmethod
+    def _step_seqs(num_tokens: int, seq_bucket: int) -> int:
+        """Sequences of a whole-step graph: the bucket, one more where a step of T tokens would have T sequences
+        (the attention op takes that for a decode step: ops/attention.py)."""
+        return seq_bucket + 1 if seq_bucket == num_tokens else seq_bucket
+
     @torch.no_grad()
     def _capture_step_graphs(self, buckets: list[int]) -> None:
-        """A graph of the whole forward per token bucket and kind (fresh or not), largest first, on inputs of one
-        sequence of that many tokens in the pad block and empty ones up to _step_seqs."""
-        progress("capturing CUDA graphs of whole prefill and mixed steps for %d sizes (up to %d tokens)", len(buckets),
-                 max(buckets))  # fmt: skip
+        """A graph of the whole forward per token bucket, sequence bucket and kind (fresh or not), largest first, on
+        inputs of one sequence of that many tokens in the pad block and empty ones."""
+        keys = [(t, b) for t in sorted(buckets, reverse=True) for b in self._step_seq_buckets(t)]
+        progress("capturing CUDA graphs of whole prefill and mixed steps: %d token x sequence sizes (up to %d tokens)",
+                 len(keys), max(buckets))  # fmt: skip
         start, dev, bs = time.perf_counter(), self.ctx.device, self.block_size
-        top, seqs, rows = max(buckets), self._step_seqs, self.config.max_num_seqs
+        top, seqs, rows = max(buckets), self.config.max_num_seqs + 2, self.config.max_num_seqs + 1
         self._step_static = [
             torch.zeros(top, dtype=torch.int64, device=dev),  # token ids
             torch.arange(top, device=dev) % self.model.config.max_position_embeddings,  # positions
@@ -379,28 +396,29 @@ class ModelRunner:
         ]
         ids, pos, cu, slots, ctx_lens, _, _ = self._step_static
         slots.copy_(self.pad_block * bs + pos % bs)
-        for bucket in sorted(buckets, reverse=True):
+        for bucket, seq_bucket in keys:
             cu[1:].fill_(bucket)
             ctx_lens.zero_()
             ctx_lens[0] = bucket
             for fresh in (False, True):
-                args = self._step_args(bucket, fresh)
+                args = self._step_args(bucket, seq_bucket, fresh)
                 self.forward(*args)  # warm-up (a graph compiled for the new shapes, if any, before the capture)
                 torch.cuda.synchronize(dev)
                 if self.ctx.world_size > 1:
                     dist.barrier(group=self.ctx.group)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    self._step_out[(bucket, fresh)] = self.forward(*args)
-                self.step_graphs[(bucket, fresh)] = graph
+                    self._step_out[(bucket, seq_bucket, fresh)] = self.forward(*args)
+                self.step_graphs[(bucket, seq_bucket, fresh)] = graph
         torch.cuda.synchronize(dev)
         self.capture_stats["step_capture_s"] = time.perf_counter() - start
         self.capture_stats["step_graphs"] = len(self.step_graphs)
 
-    def _step_args(self, bucket: int, fresh: bool) -> tuple:
+    def _step_args(self, bucket: int, seq_bucket: int, fresh: bool) -> tuple:
         ids, pos, cu, slots, ctx_lens, tables, rows = self._step_static
-        flag = torch.tensor(fresh)
-        return ids[:bucket], pos[:bucket], cu, slots[:bucket], ctx_lens, tables, self.block_size, rows, flag
+        n = self._step_seqs(bucket, seq_bucket)
+        return (ids[:bucket], pos[:bucket], cu[: n + 1], slots[:bucket], ctx_lens[:n], tables[:n], self.block_size,
+                rows[:seq_bucket], torch.tensor(fresh))  # fmt: skip
 
     def whole_step(self, chunks: list[ScheduledChunk]) -> tuple[int, Callable[[], torch.Tensor]] | None:
         """(the token bucket, a callable that runs this prefill or mixed step from its graph of the whole forward:
@@ -408,12 +426,15 @@ class ModelRunner:
         where no such graph serves the step. The inputs are built on the host here, copied when it is called."""
         if not self.step_graphs or len(chunks) > self.config.max_num_seqs:
             return None
-        bucket = bucket_for(self.prefill_buckets, sum(c.num_tokens for c in chunks))
+        num_tokens = sum(c.num_tokens for c in chunks)
+        bucket = bucket_for(self.prefill_buckets, num_tokens)
         if bucket is None:
             return None
-        *arrays, pending, fresh = self._host_inputs(chunks, pad_to=bucket, rows_to=self.config.max_num_seqs,
-                                                    seqs_to=self._step_seqs, width_to=self._step_width)  # fmt: skip
-        key = (bucket, fresh)
+        seq_bucket = bucket_for(self._seq_buckets, len(chunks) + (bucket > num_tokens))
+        *arrays, pending, fresh = self._host_inputs(chunks, pad_to=bucket, rows_to=seq_bucket,
+                                                    seqs_to=self._step_seqs(bucket, seq_bucket),
+                                                    width_to=self._step_width)  # fmt: skip
+        key = (bucket, seq_bucket, fresh)
         graph, out = self.step_graphs[key], self._step_out[key]
 
         def run() -> torch.Tensor:
