@@ -384,7 +384,8 @@ def test_gpu_whole_step_graphs_replay_the_eager_forwards_logits_bitwise():
     """llama3-8b with 4 of its layers, TP=1: prefill and mixed steps (fresh prompts, a chunk after cached context,
     decodes beside a chunk) replayed from the engine's graphs of whole steps give the logits of the same compiled
     forward run eagerly on the same padded inputs, bit for bit, on new token ids 10 times; each token count, sequence
-    count and kind (fresh or not) replays its own graph; no replay compiles."""
+    count and kind (fresh or not) replays its own graph; no replay compiles; the captures took less memory than
+    their logits would if each graph kept its own."""
     kwargs = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048, num_layers=4)
     steps = [
         [(1000, 0, 1000)],  # a fresh prompt: bucket 1024
@@ -392,9 +393,11 @@ def test_gpu_whole_step_graphs_replay_the_eager_forwards_logits_bitwise():
         [(600, 599, 1)] * 8 + [(512, 0, 512)],  # 8 decodes + a 512-token chunk: 520 -> bucket 576
         [(40, 0, 13), (90, 0, 90), (7, 0, 7)],  # 110 -> bucket 112
     ]
-    equal, keys, captured, compiles = tpweave.launch(
+    equal, keys, captured, compiles, (graph_bytes, logits_bytes) = tpweave.launch(
         workers.gpu_whole_step_steps, "llama3-8b", kwargs, steps, 10, nprocs=1, backend="nccl"
     )[0]
+    print("graph memory", graph_bytes, "whole-step logits", logits_bytes)
+    assert graph_bytes < logits_bytes, (graph_bytes, logits_bytes)  # no graph keeps its logits' memory
     assert equal == {i: 10 for i in range(len(steps))}, equal
     # sequences with the padding rows' one: 2, 2, 10, 4 -> buckets 9 and 17 (max_num_seqs + 1)
     assert keys == {0: (1024, 9, True), 1: (320, 9, False), 2: (576, 17, False), 3: (112, 9, True)}, keys

@@ -1237,8 +1237,9 @@ def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
     """gpu_piecewise_steps for the engine's CUDA graphs of whole prefill and mixed steps: each step's logits from
     its graph (runner.whole_step) against the compiled forward run eagerly on the same padded inputs, `replays`
     times on new token ids. Returns {step index: replays whose logits were bitwise equal}, {step index: the graph
-    key (token bucket, sequence bucket, fresh) it replayed}, the graphs captured at start-up and the compiles during
-    the replays (the eager comparisons may compile their own)."""
+    key (token bucket, sequence bucket, fresh) it replayed}, the graphs captured at start-up, the compiles during
+    the replays (the eager comparisons may compile their own), and (the memory all captures took, the bytes of
+    the whole-step graphs' logits)."""
     import random
 
     from tpweave.engine import LLMEngine
@@ -1273,7 +1274,9 @@ def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
             keys[i] = (bucket, seq_bucket, fresh)
             for c in chunks:
                 engine.scheduler.blocks.free(c.seq)
-    return equal, keys, captured, replay_compiles
+    # the graphs' logits, were each kept: the memory the captures took stays below it (they are not kept)
+    logits_bytes = sum(t.numel() * t.element_size() for t in runner._step_out.values())
+    return equal, keys, captured, replay_compiles, (runner.capture_stats["graph_memory_bytes"], logits_bytes)
 
 
 def gpu_piecewise_generate(ctx, model, prompts, max_tokens, engine_kwargs):

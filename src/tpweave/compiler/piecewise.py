@@ -50,7 +50,7 @@ PIECEWISE_CUT_OPS = (
 )
 
 
-def _weak(t: torch.Tensor) -> torch.Tensor:
+def weak_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over t's memory that does not keep it allocated."""
     storage = t.untyped_storage()
     alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
@@ -225,7 +225,7 @@ class PiecewiseGraphs:
         storages = tuple(_storage(t) for t in outputs if isinstance(t, torch.Tensor))
         self._captured_outputs.update(storages)
         ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in inputs]
-        weak = tuple(_weak(t) if isinstance(t, torch.Tensor) else t for t in outputs)
+        weak = tuple(weak_alias(t) if isinstance(t, torch.Tensor) else t for t in outputs)
         piece.graphs[key] = _Graph(graph, copy_in, ptrs, weak, storages)
         self.num_captures += 1
         self.capture_s += time.perf_counter() - start

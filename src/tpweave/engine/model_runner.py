@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tpweave import compiler
 from tpweave.compiler import PLAIN_TP, CompileOptions
-from tpweave.compiler.piecewise import PiecewiseGraphs
+from tpweave.compiler.piecewise import PiecewiseGraphs, weak_alias
 from tpweave.engine.buckets import bucket_for, decode_buckets, prefill_buckets
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.sampling import request_seed, sample
@@ -408,7 +408,11 @@ class ModelRunner:
                     dist.barrier(group=self.ctx.group)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    self._step_out[(bucket, seq_bucket, fresh)] = self.forward(*args)
+                    out = self.forward(*args)
+                # the logits held without keeping their memory: the next captures reuse it (a step's logits are
+                # read before any other graph replays); kept, hundreds of graphs' logits took 7 GiB for llama3-8b
+                self._step_out[(bucket, seq_bucket, fresh)] = weak_alias(out)
+                del out
                 self.step_graphs[(bucket, seq_bucket, fresh)] = graph
         torch.cuda.synchronize(dev)
         self.capture_stats["step_capture_s"] = time.perf_counter() - start
