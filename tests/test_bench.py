@@ -382,7 +382,8 @@ def test_engine_results_render_with_their_plot(tmp_path):
          "step_over_forward": 1.08, "roofline_ms": 3.2, "of_roofline": 0.58, "kernels_per_step": 330.0}
         for b in (1, 64)
     ]  # fmt: skip
-    rows.append({"what": "engine_prefill", "tokens": 2048, "padded_to": 2048, "forward_ms": 45.0, "roofline_ms": 40.0,
+    rows.append({"what": "engine_prefill", "tokens": 2048, "padded_to": 2048, "path": "whole-step graph",
+                 "forward_ms": 45.0, "roofline_ms": 40.0,
                  "of_roofline": 0.9, "of_datasheet_peak": 0.61, "single_over_graph": 1.01})  # fmt: skip
     rows.append({"what": "engine_mixed", "decodes": 64, "context": 1024, "chunk": 512, "tokens": 576, "padded_to": 576,
                  "single_over_graph": 1.03, "peak_bytes_eager": 3e9})  # fmt: skip
@@ -391,7 +392,7 @@ def test_engine_results_render_with_their_plot(tmp_path):
     assert "## Engine decode step" in text and "## Engine prefill vs matmul roofline" in text
     assert "## Engine mixed step (decodes + a prefill chunk) vs its graph-replayed forward" in text
     assert "| 64 | 1024 | 7 |" in text
-    assert "| 2048 | 2048 | 45 |" in text and "| 0.9 | 0.61 |" in text
+    assert "| 2048 | 2048 | whole-step graph | 45 |" in text and "| 0.9 | 0.61 |" in text
     assert "| 64 | 1024 | 512 | 576 | 576 |" in text
     assert load_results(json_path)[1] == rows
     head = summary([("engine-x", {"kind": "engine", "model": "m"}, rows)])
