@@ -282,7 +282,7 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "latency", "--prefill", "2x"])
     assert cli_main(["bench", "serve", "--model", "tiny", "--arms", "fast"]) == 2
-    assert "--arms takes some of baseline, auto, auto_aa, prefill_eager" in capsys.readouterr().err
+    assert "--arms takes some of baseline, auto, auto_aa, prefill_eager, prefill_piecewise" in capsys.readouterr().err
 
 
 def test_every_strategy_stays_in_every_graph_mode():

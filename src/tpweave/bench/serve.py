@@ -128,6 +128,7 @@ SERVE_ARMS: dict[str, dict[str, Any]] = {
     "auto": {},  # tpweave's defaults
     "auto_aa": {},  # the same engine built a second time: the A/A control of the comparison
     "prefill_eager": {"piecewise_graphs": False},  # tpweave's defaults, prefill and mixed steps without CUDA graphs
+    "prefill_piecewise": {"whole_step_graphs": False},  # prefill and mixed steps from piecewise graphs, not whole ones
 }
 
 PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}

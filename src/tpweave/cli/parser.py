@@ -321,7 +321,8 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
         "--arms",
         default="baseline,auto",
         help="comma-separated, the first the others are compared with: baseline (plain TP), auto (tpweave), auto_aa "
-        "(tpweave again: the A/A control), prefill_eager (tpweave, prefill and mixed steps without CUDA graphs)",
+        "(tpweave again: the A/A control), prefill_eager (tpweave, prefill and mixed steps without CUDA graphs), "
+        "prefill_piecewise (tpweave, prefill and mixed steps from piecewise graphs instead of whole-step ones)",
     )
     serve.add_argument(
         "--workload",
