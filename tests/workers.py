@@ -1188,6 +1188,20 @@ def gpu_graph_modes(ctx, config, token_counts, replays):
 
 
 @torch.no_grad()
+def _step_chunks(engine, step, rng):
+    """The chunks of a step given as (prompt length, start, new tokens) each, on random token ids, their KV blocks
+    taken from the engine's block manager (free them after)."""
+    from tpweave.engine.scheduler import ScheduledChunk
+    from tpweave.engine.sequence import Sequence
+
+    chunks = []
+    for length, start, num_new in step:
+        seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(length)])
+        engine.scheduler.blocks.grow(seq, start + num_new)
+        chunks.append(ScheduledChunk(seq, start, num_new, samples=True))
+    return chunks
+
+
 def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
     """The engine's prefill and mixed steps (`steps`: lists of (prompt length, start, new tokens) chunks) through
     its piecewise CUDA graphs against the same compiled forward run eagerly on the same padded inputs, `replays`
@@ -1197,8 +1211,6 @@ def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
 
     from tpweave.engine import LLMEngine
     from tpweave.engine.buckets import bucket_for
-    from tpweave.engine.scheduler import ScheduledChunk
-    from tpweave.engine.sequence import Sequence
 
     engine = LLMEngine(ctx, model, **engine_kwargs)
     runner, rng = engine.runner, random.Random(0)
@@ -1211,11 +1223,7 @@ def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
 
     for rnd in range(replays):
         for i, step in enumerate(steps):
-            chunks = []
-            for length, start, num_new in step:
-                seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(length)])
-                engine.scheduler.blocks.grow(seq, start + num_new)
-                chunks.append(ScheduledChunk(seq, start, num_new, samples=True))
+            chunks = _step_chunks(engine, step, rng)
             num_tokens = sum(c.num_tokens for c in chunks)
             args = runner._inputs(chunks, pad_to=bucket_for(runner.prefill_buckets, num_tokens), rows_to=len(chunks))
             eager = runner.forward(*args).clone()
@@ -1244,8 +1252,6 @@ def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
 
     from tpweave.engine import LLMEngine
     from tpweave.engine.buckets import bucket_for
-    from tpweave.engine.scheduler import ScheduledChunk
-    from tpweave.engine.sequence import Sequence
 
     engine = LLMEngine(ctx, model, **engine_kwargs)
     runner, rng = engine.runner, random.Random(0)
@@ -1254,11 +1260,7 @@ def gpu_whole_step_steps(ctx, model, engine_kwargs, steps, replays):
     equal, keys, dev = {}, {}, ctx.device
     for _ in range(replays):
         for i, step in enumerate(steps):
-            chunks = []
-            for length, start, num_new in step:
-                seq = Sequence([rng.randrange(engine.vocab_size) for _ in range(length)])
-                engine.scheduler.blocks.grow(seq, start + num_new)
-                chunks.append(ScheduledChunk(seq, start, num_new, samples=True))
+            chunks = _step_chunks(engine, step, rng)
             bucket, run = runner.whole_step(chunks)
             before = report.num_compiles
             graphed = run().clone()
