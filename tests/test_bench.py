@@ -379,7 +379,8 @@ def test_engine_results_render_with_their_plot(tmp_path):
 
     rows = [
         {"what": "engine_decode", "batch": b, "context": 1024, "step_ms": 6.0 + b / 64, "forward_ms": 5.5 + b / 64,
-         "step_over_forward": 1.08, "roofline_ms": 3.2, "of_roofline": 0.58, "kernels_per_step": 330.0}
+         "step_over_forward": 1.08, "roofline_ms": 3.2, "of_roofline": 0.58, "kernels_per_step": 330.0,
+         "kernels_per_forward": 327.0, "copies_per_step": 2.0, "graph_bucket": b}
         for b in (1, 64)
     ]  # fmt: skip
     rows.append({"what": "engine_prefill", "tokens": 2048, "padded_to": 2048, "path": "whole-step graph",
@@ -391,7 +392,7 @@ def test_engine_results_render_with_their_plot(tmp_path):
     text = md_path.read_text()
     assert "## Engine decode step" in text and "## Engine prefill vs matmul roofline" in text
     assert "## Engine mixed step (decodes + a prefill chunk) vs its graph-replayed forward" in text
-    assert "| 64 | 1024 | 7 |" in text
+    assert "| 64 | 1024 | 7 |" in text and "| 330 | 327 | 2 | 64 |" in text
     assert "| 2048 | 2048 | whole-step graph | 45 |" in text and "| 0.9 | 0.61 |" in text
     assert "| 64 | 1024 | 512 | 576 | 576 |" in text
     assert load_results(json_path)[1] == rows

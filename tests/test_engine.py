@@ -4,6 +4,7 @@ eager, through chunked prefill, mixed steps and preemption; bad requests are rej
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,7 @@ def test_decode_buckets_and_padded_graph_inputs():
     from tpweave.engine.model_runner import ModelRunner
     from tpweave.engine.scheduler import ScheduledChunk
     from tpweave.engine.sequence import Sequence
+    from tpweave.engine.staging import StagedInputs
 
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert decode_buckets(1) == [1] and decode_buckets(5) == [1, 2, 4, 5] and decode_buckets(20) == [1, 2, 4, 8, 16, 20]
@@ -193,10 +195,23 @@ def test_decode_buckets_and_padded_graph_inputs():
     seqs = [Sequence([1, 2, 3, 4, 5]), Sequence([7, 8])]
     seqs[0].block_table, seqs[1].block_table = [3, 5], [0]
     chunks = [ScheduledChunk(seqs[0], 4, 1), ScheduledChunk(seqs[1], 1, 1)]
-    ids, pos, slots, ctx_lens, tables = runner._decode_host_inputs(chunks, 4)
+    staged = StagedInputs(runner._decode_fields(4), torch.device("cpu"))
+    staged.host()["ids"][:] = 99  # left by an earlier step: every row is written again
+    runner._write_decode_inputs(chunks, staged.host())
+    staged.upload()
+    ids, pos, slots, ctx_lens, tables, take = (staged.dev[k] for k in ("ids", "pos", "slots", "ctx_lens", "tables",
+                                                                      "take"))  # fmt: skip
     assert ids.tolist() == [5, 8, 0, 0] and pos.tolist() == [4, 1, 0, 0] and ctx_lens.tolist() == [5, 2, 1, 1]
     assert slots.tolist() == [slot_of([3, 5], 4, 4), slot_of([0], 1, 4), 8 * 4, 8 * 4]  # pad rows write the pad block
     assert tables.shape == (4, 8) and tables[0, :2].tolist() == [3, 5] and (tables[2:] == 8).all()
+    assert not take.any()
+    # a token the previous step sampled, not yet on the host: the graph takes it from that step's samples
+    runner._prev_tokens, runner._last_rows = torch.tensor([70, 71, 72, 73]), {seqs[1].seq_id: 2}
+    seqs[1].num_pending = 1  # its third token
+    runner._write_decode_inputs([chunks[0], ScheduledChunk(seqs[1], 2, 1)], staged.host())
+    staged.upload()
+    assert take.tolist() == [False, True, False, False] and staged.dev["src"][1] == 2 and ids[1] == 0
+    assert runner._take_pending(ids, take, staged.dev["src"]).tolist() == [5, 72, 0, 0]
     # prefill / mixed steps: `fresh` (the last argument, a CPU bool) only when no chunk has cached context
     fresh = runner._inputs([ScheduledChunk(seqs[0], 0, 5), ScheduledChunk(seqs[1], 0, 2)])[-1]
     assert fresh.device.type == "cpu" and bool(fresh)
@@ -224,6 +239,30 @@ def test_decode_buckets_and_padded_graph_inputs():
     assert rows2.tolist() == rows.tolist()
     with pytest.raises(AssertionError, match="3 sequences padded to 2"):
         runner._host_inputs(chunks, pad_to=11, seqs_to=2)
+
+
+def test_staged_inputs_send_their_fields_in_one_buffer():
+    """Fields of any dtype at aligned offsets of one buffer; the host buffers alternate (a step writes one while the
+    other may still be on its way); upload(end_of(...)) sends the fields before a field and that field's first rows,
+    nothing past them."""
+    from tpweave.engine.staging import StagedInputs
+
+    staged = StagedInputs({"ids": ((3,), torch.int64), "take": ((3,), torch.bool), "tables": ((4, 5), torch.int32)},
+                          torch.device("cpu"))  # fmt: skip
+    assert [t.data_ptr() % 16 for t in staged.dev.values()] == [0, 0, 0]
+    first = staged.host()
+    first["ids"][:] = [1, 2, 3]
+    first["take"][:] = [True, False, True]
+    first["tables"][:] = np.arange(20).reshape(4, 5)
+    staged.upload(staged.end_of("tables", 2))
+    assert staged.dev["ids"].tolist() == [1, 2, 3] and staged.dev["take"].tolist() == [True, False, True]
+    assert staged.dev["tables"][:2].flatten().tolist() == list(range(10)) and not staged.dev["tables"][2:].any()
+    second = staged.host()
+    assert second["ids"] is not first["ids"] and not second["ids"].any()
+    second["ids"][:] = 7
+    staged.upload()
+    assert staged.dev["ids"].tolist() == [7, 7, 7] and not staged.dev["tables"].any()
+    assert staged.host()["ids"].tolist() == [1, 2, 3]  # the first buffer again, as the first step left it
 
 
 def test_empty_sequences_of_a_whole_step_graph_change_no_logit():

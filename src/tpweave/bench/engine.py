@@ -155,10 +155,10 @@ def prefill_flops(model: torch.nn.Module, num_tokens: int) -> float:
     return 2 * linear * num_tokens + 2 * model.lm_head.weight.numel() + attention
 
 
-def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int], dict[str, float]]:
+def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int], dict[str, float], float]:
     """Per call of fn: device kernels (torch.profiler, kernels inside CUDA-graph replays included; copies
-    and memsets not counted), and milliseconds of kernel time by kind (gemm, attention, other); and the
-    kernel names with their counts over all calls."""
+    and memsets not counted), and milliseconds of kernel time by kind (gemm, attention, other); the
+    kernel names with their counts over all calls; and copies and memsets per call."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -168,12 +168,17 @@ def count_kernels(fn, *, calls: int) -> tuple[float, dict[str, int], dict[str, f
         torch.cuda.synchronize()
     names: dict[str, int] = {}
     ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}  # bench/kernels.py categories, the rest as "other"
+    copies = 0
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")):
-            names[e.name] = names.get(e.name, 0) + 1
-            category = categorize(e.name)
-            ms[category if category in ms else "other"] += e.time_range.elapsed_us() / 1e3 / calls
-    return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1])), ms
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if e.name.lower().startswith(("memcpy", "memset")):
+            copies += 1
+            continue
+        names[e.name] = names.get(e.name, 0) + 1
+        category = categorize(e.name)
+        ms[category if category in ms else "other"] += e.time_range.elapsed_us() / 1e3 / calls
+    return sum(names.values()) / calls, dict(sorted(names.items(), key=lambda kv: -kv[1])), ms, copies / calls
 
 
 def _decoding(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> Sequence:
@@ -186,11 +191,13 @@ def _decoding(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> S
     return seq
 
 
-def _rewind_graph_inputs(runner, batch: int, context: int) -> list[int]:
-    """Set the first `batch` rows of the decode graphs' static inputs (left by the engine's last step) to
-    a step at `context` tokens per sequence, in the same blocks; their context lengths."""
-    ids, pos, slots, ctx_lens, tables = (t[:batch] for t in runner._static)
+def _rewind_graph_inputs(runner, bucket: int, batch: int, context: int) -> list[int]:
+    """Set the first `batch` rows of the static inputs of the decode graph of `bucket` rows (left by the engine's
+    last step) to a step at `context` tokens per sequence, in the same blocks; their context lengths."""
+    d = runner.decode_inputs(bucket)
+    pos, slots, ctx_lens, tables = (d[k][:batch] for k in ("pos", "slots", "ctx_lens", "tables"))
     bs = runner.block_size
+    d["take"].fill_(False)  # token ids as they are: none taken from the previous step's samples
     pos.fill_(context - 1)
     ctx_lens.fill_(context)
     slots.copy_(tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs)
@@ -228,7 +235,8 @@ def _decode_rows(
         # them (those sequences' blocks are free now: the replays write nothing another sequence reads).
         buckets = [b for b in sorted(runner.graphs) if b >= batch]
         graph = runner.graphs[buckets[0]] if buckets else None
-        context_lens = _rewind_graph_inputs(runner, batch, round(timed_context)) if graph is not None else []
+        bucket = buckets[0] if buckets else None
+        context_lens = _rewind_graph_inputs(runner, bucket, batch, round(timed_context)) if graph is not None else []
         row: dict[str, Any] = {
             "what": "engine_decode",
             "batch": batch,
@@ -237,7 +245,7 @@ def _decode_rows(
             "step_ms_p90": float(np.percentile(step_ms, 90)),
             "step_ms_samples": step_ms,
         }
-        later.append(lambda row=row, batch=batch: row.update(kernels_per_step=_step_kernels(engine, batch, settings)))
+        later.append(lambda row=row, batch=batch: row.update(_step_kernels(engine, batch, settings)))
         if graph is not None:
             fwd_ms = _event_ms(lambda: [graph.replay() for _ in range(REPLAYS_PER_SAMPLE)], reps=settings.replays)
             fwd_ms = [t / REPLAYS_PER_SAMPLE for t in fwd_ms]
@@ -252,9 +260,9 @@ def _decode_rows(
                 "of_roofline": roofline / median(fwd_ms),
             }
 
-            def graph_kernels(row=row, batch=batch, graph=graph, context=timed_context):
-                _rewind_graph_inputs(runner, batch, round(context))
-                kernels_fwd, names, kind_ms = count_kernels(graph.replay, calls=2)
+            def graph_kernels(row=row, batch=batch, bucket=bucket, graph=graph, context=timed_context):
+                _rewind_graph_inputs(runner, bucket, batch, round(context))
+                kernels_fwd, names, kind_ms, _ = count_kernels(graph.replay, calls=2)
                 row.update(kernels_per_forward=kernels_fwd, **{f"{k}_ms": v for k, v in kind_ms.items()},
                            forward_kernels=names)  # fmt: skip
 
@@ -263,18 +271,19 @@ def _decode_rows(
     return rows
 
 
-def _step_kernels(engine: LLMEngine, batch: int, settings: EngineBenchSettings) -> float:
-    """Kernels per engine step of `batch` sequences decoding at settings.context (torch.profiler over 4 steps)."""
+def _step_kernels(engine: LLMEngine, batch: int, settings: EngineBenchSettings) -> dict[str, float]:
+    """Kernels, and copies and memsets, per engine step of `batch` sequences decoding at settings.context
+    (torch.profiler over 4 steps): kernels_per_step, copies_per_step."""
     rng = random.Random(0)
     params = SamplingParams(max_tokens=16)
     for _ in range(batch):
         _decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(settings.context)], params)
     for _ in range(2):
         engine.step()
-    kernels, _, _ = count_kernels(engine.step, calls=4)
+    kernels, _, _, copies = count_kernels(engine.step, calls=4)
     while engine.has_unfinished():
         engine.step()
-    return kernels
+    return {"kernels_per_step": kernels, "copies_per_step": copies}
 
 
 def _peak_bytes(fn) -> int:
@@ -347,8 +356,8 @@ def _step_timings(
 
     def kernels() -> dict[str, Any]:
         with torch.no_grad():
-            _, _, graph_kind_ms = count_kernels(graph_replay, calls=2)
-            _, names, kind_ms = count_kernels(engine_path, calls=2)
+            _, _, graph_kind_ms, _ = count_kernels(graph_replay, calls=2)
+            _, names, kind_ms, _ = count_kernels(engine_path, calls=2)
         return {"graph_kernel_ms": sum(graph_kind_ms.values()), "kernel_ms": sum(kind_ms.values()),
                 **{f"{kind}_ms": v for kind, v in kind_ms.items()}, "forward_kernels": names}  # fmt: skip
 

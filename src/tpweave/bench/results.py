@@ -93,7 +93,7 @@ SERVE_COLUMNS = ["workload", "rate", "arm", "rounds", "num_finished", "num_faile
                  "itl_ms_p50", "itl_ms_p99"]  # fmt: skip
 ENGINE_DECODE_COLUMNS = ["batch", "context", "step_ms", "step_ms_p90", "forward_ms", "step_over_forward", "roofline_ms",
                          "of_roofline", "gemm_ms", "attention_ms", "other_ms", "kernels_per_step",
-                         "kernels_per_forward", "graph_bucket"]  # fmt: skip
+                         "kernels_per_forward", "copies_per_step", "graph_bucket"]  # fmt: skip
 ENGINE_PREFILL_COLUMNS = ["tokens", "padded_to", "path", "forward_ms", "single_call_ms", "graph_forward_ms",
                           "single_over_graph", "eager_single_ms", "request_ms", "roofline_ms", "of_roofline",
                           "of_datasheet_peak", "tokens_per_s", "gemm_ms", "attention_ms", "other_ms"]  # fmt: skip

@@ -5,7 +5,10 @@ A step is launched, not waited for: launch() builds the inputs on the host (nump
 device without blocking, runs the forward and the sampling, and starts copying the sampled tokens to
 pinned host memory behind an event. Tokens still pending on the host (Sequence.PENDING, sampled by the
 step before) are taken from that step's device tensor, so the next step can be launched before the
-host has read the previous one's tokens.
+host has read the previous one's tokens. A step replayed from a CUDA graph sends its inputs in one copy
+from pinned memory (engine/staging.py), and its graph takes the pending tokens itself, from a buffer the
+previous step's sampling wrote: between two decode graphs the stream runs that copy, the sampling and the
+copy of the sampled tokens to the host, nothing else.
 
 On CUDA the KV cache is sized from the memory left after an eager warm-up at the largest step
 (max_num_batched_tokens), agreed as the minimum over ranks. Decode steps (one new token per
@@ -41,6 +44,7 @@ from tpweave.engine.config import EngineConfig
 from tpweave.engine.sampling import request_seed, sample
 from tpweave.engine.scheduler import ScheduledChunk
 from tpweave.engine.sequence import PENDING
+from tpweave.engine.staging import StagedInputs
 from tpweave.log import progress
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
@@ -142,7 +146,11 @@ class ModelRunner:
         # 3% on one H200), block tables to _step_width
         self.step_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._step_out: dict[tuple[int, int, bool], torch.Tensor] = {}
-        self._step_static: list[torch.Tensor] = []
+        self._step_staged: StagedInputs | None = None
+        self._decode_staged: dict[int, StagedInputs] = {}  # decode graph bucket -> its static inputs
+        # with graphs: where a step's sampling writes its tokens, (max_num_seqs,) int64 on the device; the next
+        # step's graph takes its pending tokens from there
+        self._prev_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=ctx.device) if graphs else None
         top = config.max_num_seqs + 1
         self._seq_buckets = [b for b in STEP_SEQ_BUCKETS if b < top] + [top]
         self._step_width = max([self.max_blocks_per_seq] + [-(-b // self.block_size) for b in self.prefill_buckets])
@@ -167,6 +175,7 @@ class ModelRunner:
         this process); the runner cannot step afterwards."""
         self.graphs.clear()
         self._static_out.clear()
+        self._decode_staged.clear()
         self.step_graphs.clear()
         self._step_out.clear()
         if self.pieces is not None:
@@ -223,13 +232,13 @@ class ModelRunner:
         return num_blocks
 
     # -- step inputs ------------------------------------------------------------------------------
-    def _tables(self, chunks: list[ScheduledChunk], rows: int, width: int, fill: int) -> np.ndarray:
-        """(rows, width) int32 block tables of the chunks' sequences, `fill` elsewhere (one copy per sequence)."""
-        tables = np.full((rows, width), fill, dtype=np.int32)
+    def _tables(self, chunks: list[ScheduledChunk], out: np.ndarray, fill: int) -> np.ndarray:
+        """`out` (rows, width) int32 set to the block tables of the chunks' sequences, `fill` elsewhere."""
+        out.fill(fill)
         for b, c in enumerate(chunks):
             table = c.seq.block_table
-            tables[b, : len(table)] = table
-        return tables
+            out[b, : len(table)] = table
+        return out
 
     def _inputs(self, chunks: list[ScheduledChunk], *, pad_to: int | None = None, rows_to: int | None = None) -> tuple:
         """The forward's arguments for a step of any chunks (prefill, mixed): token ids, positions, cu_seqlens,
@@ -289,7 +298,7 @@ class ModelRunner:
         owner = np.repeat(np.arange(len(lens)), lens)  # the chunk of every token row
         pending = self._pending(ids, lambda row: chunks[owner[row]].seq.seq_id)
         positions = np.arange(total, dtype=np.int64) - cu[:-1][owner] + starts[owner]
-        tables = self._tables(chunks, len(lens), width, 0)
+        tables = self._tables(chunks, np.empty((len(lens), width), dtype=np.int32), 0)
         tables[n:] = self.pad_block  # the padding rows' sequence and the empty ones
         if pad:
             positions[total - pad :] %= self.model.config.max_position_embeddings
@@ -316,20 +325,48 @@ class ModelRunner:
             ids_dev.index_copy_(0, index[0], self._last.tokens.index_select(0, index[1]))
         return ids_dev
 
+    @staticmethod
+    def _write_pending(h: dict[str, np.ndarray], pending: np.ndarray | None, rows: int) -> None:
+        """A graph step's `take` and `src` fields (its first `rows` rows) from `_pending`'s rows."""
+        take, src = h["take"][:rows], h["src"][:rows]
+        take.fill(False)
+        src.fill(0)
+        if pending is not None:
+            take[pending[0]] = True
+            src[pending[0]] = pending[1]
+
+    def _take_pending(self, ids: torch.Tensor, take: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Inside a graph: the token ids with the pending rows (`take`) read from the previous step's samples (their
+        rows `src` of self._prev_tokens)."""
+        return torch.where(take, self._prev_tokens.index_select(0, src), ids)
+
     # -- CUDA graphs of decode steps ----------------------------------------------------------------
-    def _decode_host_inputs(self, chunks: list[ScheduledChunk], bucket: int) -> list[torch.Tensor]:
-        """Static-shape inputs of a decode step padded to `bucket` rows; pad rows use the pad block. Pending
-        token ids read PENDING (_decode_with_graph fills them in on the device)."""
-        n, bs = len(chunks), self.block_size
+    def _decode_fields(self, bucket: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """A decode graph's static inputs (StagedInputs fields) for `bucket` rows."""
+        row, i64 = (bucket,), torch.int64
+        return {"ids": (row, i64), "pos": (row, i64), "slots": (row, i64), "src": (row, i64),
+                "ctx_lens": (row, torch.int32), "take": (row, torch.bool),
+                "tables": ((bucket, self.max_blocks_per_seq), torch.int32)}  # fmt: skip
+
+    def _write_decode_inputs(self, chunks: list[ScheduledChunk], h: dict[str, np.ndarray]) -> None:
+        """A decode step's inputs padded to the rows of `h` (the fields of _decode_fields, written in place); pad
+        rows use the pad block. A pending token id reads 0, its row `take`n from row `src` of the previous step's
+        samples by the graph."""
+        n, bs, ids, pos = len(chunks), self.block_size, h["ids"], h["pos"]
+        bucket = len(ids)
         assert n <= bucket, (n, bucket)  # the caller picked a bucket that holds the batch
-        pos = np.zeros(bucket, dtype=np.int64)
+        pos[n:] = 0
         pos[:n] = np.fromiter((c.start for c in chunks), np.int64, n)
-        ids = np.zeros(bucket, dtype=np.int64)
+        ids[n:] = 0
         ids[:n] = np.fromiter((c.seq.token_at(c.start) for c in chunks), np.int64, n)
-        tables = self._tables(chunks, bucket, self.max_blocks_per_seq, self.pad_block)
-        slots = tables[np.arange(bucket), pos // bs].astype(np.int64) * bs + pos % bs  # pad rows: the pad block
-        ctx_lens = (pos + 1).astype(np.int32)
-        return [torch.from_numpy(a) for a in (ids, pos, slots, ctx_lens, tables)]
+        self._write_pending(h, self._pending(ids, lambda row: chunks[row].seq.seq_id), bucket)
+        tables = self._tables(chunks, h["tables"], self.pad_block)
+        h["slots"][:] = tables[np.arange(bucket), pos // bs].astype(np.int64) * bs + pos % bs  # pad rows: pad block
+        h["ctx_lens"][:] = pos + 1
+
+    def decode_inputs(self, bucket: int) -> dict[str, torch.Tensor]:
+        """The static inputs on the device of the decode graph of `bucket` rows (what a replay reads)."""
+        return self._decode_staged[bucket].dev
 
     def _dummy_args(self, num_tokens: int) -> tuple:
         """The forward's arguments for a prefill step of num_tokens tokens in two sequences (one sequence would
@@ -385,30 +422,31 @@ class ModelRunner:
                  len(keys), max(buckets))  # fmt: skip
         start, dev, bs = time.perf_counter(), self.ctx.device, self.block_size
         top, seqs, rows = max(buckets), self.config.max_num_seqs + 2, self.config.max_num_seqs + 1
-        self._step_static = [
-            torch.zeros(top, dtype=torch.int64, device=dev),  # token ids
-            torch.arange(top, device=dev) % self.model.config.max_position_embeddings,  # positions
-            torch.zeros(seqs + 1, dtype=torch.int32, device=dev),  # cu_seqlens
-            torch.zeros(top, dtype=torch.int64, device=dev),  # KV slots
-            torch.zeros(seqs, dtype=torch.int32, device=dev),  # context lengths
-            torch.full((seqs, self._step_width), self.pad_block, dtype=torch.int32, device=dev),  # block tables
-            torch.zeros(rows, dtype=torch.int64, device=dev),  # logits rows
-        ]
-        ids, pos, cu, slots, ctx_lens, _, _ = self._step_static
-        slots.copy_(self.pad_block * bs + pos % bs)
+        i64, i32 = torch.int64, torch.int32
+        # the step's arrays (_host_inputs) in its order, then the pending rows; block tables last: a step sends the
+        # buffer up to its tables' last row
+        self._step_staged = StagedInputs(
+            {"ids": ((top,), i64), "pos": ((top,), i64), "cu": ((seqs + 1,), i32), "slots": ((top,), i64),
+             "ctx_lens": ((seqs,), i32), "rows": ((rows,), i64), "src": ((top,), i64), "take": ((top,), torch.bool),
+             "tables": ((seqs, self._step_width), i32)},
+            dev,
+        )  # fmt: skip
+        d = self._step_staged.dev
+        d["pos"].copy_(torch.arange(top, device=dev) % self.model.config.max_position_embeddings)
+        d["slots"].copy_(self.pad_block * bs + d["pos"] % bs)
+        d["tables"].fill_(self.pad_block)
         for bucket, seq_bucket in keys:
-            cu[1:].fill_(bucket)
-            ctx_lens.zero_()
-            ctx_lens[0] = bucket
+            d["cu"][1:].fill_(bucket)
+            d["ctx_lens"].zero_()
+            d["ctx_lens"][0] = bucket
             for fresh in (False, True):
-                args = self._step_args(bucket, seq_bucket, fresh)
-                self.forward(*args)  # warm-up (a graph compiled for the new shapes, if any, before the capture)
+                self._step_forward(bucket, seq_bucket, fresh)  # warm-up (compiles for new shapes before the capture)
                 torch.cuda.synchronize(dev)
                 if self.ctx.world_size > 1:
                     dist.barrier(group=self.ctx.group)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    out = self.forward(*args)
+                    out = self._step_forward(bucket, seq_bucket, fresh)
                 # the logits held without keeping their memory: the next captures reuse it (a step's logits are
                 # read before any other graph replays); kept, hundreds of graphs' logits took 7 GiB for llama3-8b
                 self._step_out[(bucket, seq_bucket, fresh)] = weak_alias(out)
@@ -418,11 +456,12 @@ class ModelRunner:
         self.capture_stats["step_capture_s"] = time.perf_counter() - start
         self.capture_stats["step_graphs"] = len(self.step_graphs)
 
-    def _step_args(self, bucket: int, seq_bucket: int, fresh: bool) -> tuple:
-        ids, pos, cu, slots, ctx_lens, tables, rows = self._step_static
-        n = self._step_seqs(bucket, seq_bucket)
-        return (ids[:bucket], pos[:bucket], cu[: n + 1], slots[:bucket], ctx_lens[:n], tables[:n], self.block_size,
-                rows[:seq_bucket], torch.tensor(fresh))  # fmt: skip
+    def _step_forward(self, bucket: int, seq_bucket: int, fresh: bool) -> torch.Tensor:
+        """The forward of a whole step on the static inputs (what its graph captures)."""
+        d, n = self._step_staged.dev, self._step_seqs(bucket, seq_bucket)
+        ids = self._take_pending(d["ids"][:bucket], d["take"][:bucket], d["src"][:bucket])
+        return self.forward(ids, d["pos"][:bucket], d["cu"][: n + 1], d["slots"][:bucket], d["ctx_lens"][:n],
+                            d["tables"][:n], self.block_size, d["rows"][:seq_bucket], torch.tensor(fresh))  # fmt: skip
 
     def whole_step(self, chunks: list[ScheduledChunk]) -> tuple[int, Callable[[], torch.Tensor]] | None:
         """(the token bucket, a callable that runs this prefill or mixed step from its graph of the whole forward:
@@ -442,9 +481,12 @@ class ModelRunner:
         graph, out = self.step_graphs[key], self._step_out[key]
 
         def run() -> torch.Tensor:
-            for dst, a in zip(self._step_static, arrays):
-                dst[: len(a)].copy_(torch.from_numpy(a), non_blocking=True)
-            self._fill_pending(self._step_static[0][:bucket], pending)
+            staged = self._step_staged
+            h = staged.host()
+            for name, a in zip(("ids", "pos", "cu", "slots", "ctx_lens", "tables", "rows"), arrays):
+                h[name][: len(a)] = a
+            self._write_pending(h, pending, bucket)
+            staged.upload(staged.end_of("tables", len(arrays[5])))
             graph.replay()
             self.num_graph_replays += 1
             return out[: len(chunks)]
@@ -454,36 +496,30 @@ class ModelRunner:
     def _capture_decode_graphs(self, buckets: list[int]) -> None:
         progress("capturing decode CUDA graphs for %d batch sizes (up to %d)", len(buckets), max(buckets))
         dev, top = self.ctx.device, max(buckets)
-        self._static = [t.to(dev) for t in self._decode_host_inputs([], top)]
         self._static_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self._static_rows = torch.arange(top, device=dev)  # int64, like the eager path's rows
         self._not_fresh = torch.tensor(False)  # decode: every sequence has context
         with torch.no_grad():
             for bucket in sorted(buckets, reverse=True):  # largest first: workspaces sized once
-                args = self._bucket_args(bucket)
-                self.forward(*args)  # warm-up (compiles on the first bucket)
+                staged = self._decode_staged[bucket] = StagedInputs(self._decode_fields(bucket), dev)
+                self._write_decode_inputs([], staged.host())
+                staged.upload()
+                self._decode_forward(bucket)  # warm-up (compiles on the first bucket)
                 torch.cuda.synchronize(dev)
                 if self.ctx.world_size > 1:
                     dist.barrier(group=self.ctx.group)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    self._static_out[bucket] = self.forward(*args)
+                    self._static_out[bucket] = self._decode_forward(bucket)
                 self.graphs[bucket] = graph
         self._buckets = sorted(buckets)
 
-    def _bucket_args(self, bucket: int) -> tuple:
-        ids, pos, slots, ctx_lens, tables = (t[:bucket] for t in self._static)
-        return (
-            ids,
-            pos,
-            self._static_cu[: bucket + 1],
-            slots,
-            ctx_lens,
-            tables,
-            self.block_size,
-            self._static_rows[:bucket],
-            self._not_fresh,
-        )
+    def _decode_forward(self, bucket: int) -> torch.Tensor:
+        """The forward of a decode step on the static inputs of `bucket` rows (what its graph captures)."""
+        d = self._decode_staged[bucket].dev
+        return self.forward(self._take_pending(d["ids"], d["take"], d["src"]), d["pos"],
+                            self._static_cu[: bucket + 1], d["slots"], d["ctx_lens"], d["tables"], self.block_size,
+                            self._static_rows[:bucket], self._not_fresh)  # fmt: skip
 
     def _decode_with_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         if not self.graphs or any(c.num_tokens != 1 for c in chunks) or len(chunks) > self._buckets[-1]:
@@ -491,11 +527,9 @@ class ModelRunner:
         if max(len(c.seq.block_table) for c in chunks) > self.max_blocks_per_seq:
             return None
         bucket = bucket_for(self._buckets, len(chunks))
-        host = self._decode_host_inputs(chunks, bucket)
-        pending = self._pending(host[0].numpy(), lambda row: chunks[row].seq.seq_id)
-        for dst, src in zip(self._static, host):
-            dst[:bucket].copy_(src, non_blocking=True)
-        self._fill_pending(self._static[0], pending)
+        staged = self._decode_staged[bucket]
+        self._write_decode_inputs(chunks, staged.host())
+        staged.upload()
         self.graphs[bucket].replay()
         self.num_graph_replays += 1
         return self._static_out[bucket][: len(chunks)]
@@ -556,6 +590,10 @@ class ModelRunner:
                 put([p.top_p for p in params], torch.float32),
                 put(seeds, torch.int64),
             )
+            if self._prev_tokens is not None:
+                tokens = self._prev_tokens[: len(params)].copy_(tokens)
+        elif self._prev_tokens is not None:
+            tokens = torch.argmax(picked, -1, out=self._prev_tokens[: len(params)])
         else:
             tokens = picked.argmax(-1)
         seq_ids = [c.seq.seq_id for _, c in sampling]
