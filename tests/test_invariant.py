@@ -100,7 +100,8 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
     if pad_to is not None and runner.pieces is None:  # the padding the piecewise CUDA graphs bring, on a CPU
         runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
     seen: dict[tuple, torch.Tensor] = {}
-    forward, launch, decode_with_graph = runner.forward, runner.launch, runner._decode_with_graph
+    forward, launch, decode_with_graph, whole_step = (runner.forward, runner.launch, runner._decode_with_graph,
+                                                      runner.whole_step)  # fmt: skip
 
     def recording_launch(chunks):
         step = {}
@@ -115,11 +116,23 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
                 step["logits"] = logits
             return logits
 
-        runner.forward, runner._decode_with_graph = recording_forward, recording_decode
+        def recording_whole_step(*args):  # a prefill or mixed step replayed from its graph of the whole step
+            whole = whole_step(*args)
+            if whole is None:
+                return None
+
+            def run():
+                step["logits"] = whole[1]()
+                return step["logits"]
+
+            return whole[0], run
+
+        runner.forward, runner._decode_with_graph, runner.whole_step = (recording_forward, recording_decode,
+                                                                        recording_whole_step)  # fmt: skip
         try:
             out = launch(chunks)
         finally:
-            runner.forward, runner._decode_with_graph = forward, decode_with_graph
+            runner.forward, runner._decode_with_graph, runner.whole_step = forward, decode_with_graph, whole_step
         for b, c in enumerate(chunks):
             if c.samples:
                 seen[tuple(c.seq.tokens(0, c.start + c.num_tokens))] = step["logits"][b].clone()
@@ -137,7 +150,8 @@ def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
 def test_engine_request_logits_alone_equal_among_others(device, dtype):
     """Each request alone, then all together in steps of at most 16 tokens (chunked prefill, mixed steps), with too
     few KV blocks for all (preemption), and with steps padded as for piecewise graphs: every sampled token's logits
-    bitwise the same as alone (on a GPU: ops/invariant_kernels.py's kernels, its decode and piecewise CUDA graphs)."""
+    bitwise the same as alone (on a GPU: ops/invariant_kernels.py's kernels, its decode CUDA graphs, and its prefill
+    and mixed steps from graphs of the whole step, their sequences padded with empty ones, or piecewise graphs)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
     config = dict(dtype=dtype, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
@@ -147,16 +161,21 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
         _, seen = _engine_logits([p], {**config, "num_blocks": 32}, device=device)
         alone.update(seen)
     preempted = 0
-    for blocks, pad_to in ((32, None), (16, (16,)), (16, None)):
-        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks}, pad_to=pad_to, device=device)
+    runs = [(32, None, True), (16, (16,), True), (16, None, True)]
+    if device == "cuda":
+        runs.append((16, None, False))  # piecewise graphs rather than whole-step ones
+    for blocks, pad_to, whole in runs:
+        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks, "whole_step_graphs": whole},
+                                       pad_to=pad_to, device=device)  # fmt: skip
         assert all(len(r["token_ids"]) == 6 for r in results)
         preempted += sum(r["num_preemptions"] for r in results)
         assert set(seen) <= set(alone) and len(seen) == len(alone) == 5 * 6
         for key, logits in seen.items():
             assert torch.equal(logits, alone[key]), (blocks, pad_to, len(key))
-        if device == "cuda":  # the graph paths ran: decode graphs and piecewise prefill graphs
+        if device == "cuda":  # the graph paths ran: decode graphs, and whole-step or piecewise prefill graphs
             stats = _engine_logits.step_stats
-            assert stats["decode_graph"] > 0 and stats["piecewise"] > 0, stats
+            assert stats["decode_graph"] > 0 and stats["whole_graph" if whole else "piecewise"] > 0, stats
+            assert stats["eager"] == 0, stats
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
 
 

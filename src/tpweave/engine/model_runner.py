@@ -17,9 +17,10 @@ steps are padded up to a token-count bucket (engine/buckets.py); the padding row
 sequence, of their own, in the pad block. Such a step replays a CUDA graph of the whole forward, attention
 included, captured per bucket and per kind (every sequence fresh, or some with cached context): the
 attention kernels' launches depend on shapes alone, so the step's sequences are padded too, to a fixed
-count of sequences (the rest have no tokens) and a fixed block-table width. Without those graphs
-(`whole_step_graphs=False`, invariant mode) the step replays the compiled forward's pieces between its
-attention ops, captured per bucket (compiler/piecewise.py), attention running eagerly between them.
+count of sequences (the rest have no tokens: no attention program of invariant mode's kernels either)
+and a fixed block-table width. Without those graphs (`whole_step_graphs=False`) the step replays the
+compiled forward's pieces between its attention ops, captured per bucket (compiler/piecewise.py),
+attention running eagerly between them.
 The sequence-parallel, async-TP and token-split rewrites run inside every graph. Every graph shares one
 memory pool. The page pool has one block more than the block manager hands out: padded rows of a graph
 bucket write their K/V there.
@@ -154,7 +155,7 @@ class ModelRunner:
         top = config.max_num_seqs + 1
         self._seq_buckets = [b for b in STEP_SEQ_BUCKETS if b < top] + [top]
         self._step_width = max([self.max_blocks_per_seq] + [-(-b // self.block_size) for b in self.prefill_buckets])
-        whole = self.pieces is not None and config.whole_step_graphs and config.invariant is None
+        whole = self.pieces is not None and config.whole_step_graphs
         if graphs:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
             # workspaces for the largest M, so nothing is reallocated under a captured graph.
