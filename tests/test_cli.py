@@ -246,6 +246,10 @@ def test_serve_where_every_request_fails_says_so_and_fails(tmp_path):
     assert "FAILED: auto/requests.csv/rate inf: 2 of 2 requests failed" in out, out
     md = next((tmp_path / "out").glob("*.md")).read_text()
     assert "**Failures:** auto/requests.csv/rate inf: 2 of 2 requests failed" in md
+    # what the arm's engine cost: no step ran (every request was rejected), no graph on a CPU
+    assert "## Engines per arm" in md
+    engine_row = next(line for line in md.splitlines() if line.startswith("| auto |"))
+    assert engine_row.split(" | ")[6:10] == ["0", "0", "0", "0"], engine_row
 
 
 def test_results_go_to_a_new_folder_and_never_overwrite(tmp_path):

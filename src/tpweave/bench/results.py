@@ -135,7 +135,12 @@ SECTIONS = (
 
 # Metadata kept in the JSON but summarized (provenance_lines), not dumped, in the markdown
 BULKY_META = {"kernels", "compile_reports", "orders", "code", "versions", "gpus_start", "gpus_end", "gpu_samples",
-              "env", "table", "fallbacks", "verification_problems", "failures", "aa", "compile_report"}  # fmt: skip
+              "env", "table", "fallbacks", "verification_problems", "failures", "aa", "compile_report",
+              "engines"}  # fmt: skip
+# bench serve's meta["engines"] (bench/serve.py engine_stats), one row per arm
+SERVE_ENGINE_COLUMNS = ["arm", "build_s", "step_capture_s", "decode_capture_s", "graph_memory_bytes", "num_blocks",
+                        "steps_decode_graph", "steps_whole_graph", "steps_piecewise", "steps_eager",
+                        "padded_tokens_per_step", "padded_fraction", "peak_step_bytes"]  # fmt: skip
 
 
 def proof_text(meta: dict[str, Any]) -> str:
@@ -237,6 +242,10 @@ def render(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: Pat
         if png is not None:
             parts += [f"![{section}]({png.name})", ""]
         parts += [markdown_table(kind_rows, columns), ""]
+    engines = meta.get("engines")
+    if engines:
+        parts += ["## Engines per arm: what their graphs cost, how the served steps ran", ""]
+        parts += [markdown_table([{"arm": arm, **stats} for arm, stats in engines.items()], SERVE_ENGINE_COLUMNS), ""]
     kernels = meta.get("kernels")
     if kernels:
         parts += ["## Communication kernels per forward (torch.profiler)", ""]

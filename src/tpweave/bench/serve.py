@@ -288,6 +288,24 @@ def run_requests(ctx: TPContext, engine, requests: list[Request], *, seed: int) 
     return records
 
 
+def engine_stats(engine, *, build_s: float, steps_before: dict[str, int], peak_step_bytes: int | None) -> dict:
+    """What an arm's engine and its graphs cost: build seconds (warm-up included), the captures' seconds and the
+    memory they reserved, KV blocks, how the served steps ran (counts by path since `steps_before`) and the padding
+    they took, and the peak memory the served steps allocated beyond what the engine held (None without CUDA)."""
+    runner = engine.runner
+    steps = {k: v - steps_before.get(k, 0) for k, v in runner.step_stats.items()}
+    graph_steps = max(steps["piecewise"] + steps["whole_graph"], 1)
+    return {
+        "build_s": build_s,
+        **runner.capture_stats,
+        "num_blocks": runner.num_blocks,
+        **{f"steps_{k}": v for k, v in steps.items() if k not in ("tokens", "padded_tokens")},
+        "padded_tokens_per_step": steps["padded_tokens"] / graph_steps,
+        "padded_fraction": steps["padded_tokens"] / max(steps["tokens"], 1),
+        "peak_step_bytes": peak_step_bytes,
+    }
+
+
 def release_engine(engine) -> None:
     """Free an engine's KV cache, CUDA graphs and compiled code before the next arm builds its own
     (the caller must drop its reference too)."""

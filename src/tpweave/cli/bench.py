@@ -180,20 +180,28 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed, rounds):
     """Every arm's engine built side by side (GPU memory split between them), then `rounds` rounds in
     each of which every (workload, rate) cell runs on every arm, the arms in an order shuffled per cell
-    and round (seeded). (rows per (cell, arm), records per (arm, cell, round), the orders)."""
+    and round (seeded). (rows per (cell, arm), the orders, compile fallbacks, each arm's engine_stats)."""
     import random
+    import time
 
-    from tpweave.bench.serve import SERVE_ARMS, release_engine, run_requests, serve_rows
+    import torch
+
+    from tpweave.bench.serve import SERVE_ARMS, engine_stats, release_engine, run_requests, serve_rows
     from tpweave.bench.timing import many_compiles
     from tpweave.engine import LLMEngine
 
-    engines = {}
+    engines, build_s, steps_before = {}, {}, {}
     for i, arm in enumerate(arms):
         with many_compiles():  # each engine's KV cache from its share of what the previous ones left
             share = {"gpu_memory_utilization": 0.9 * (i + 1) / len(arms)}
+            start = time.perf_counter()
             engines[arm] = LLMEngine(ctx, model, dtype=DTYPES[dtype_name], seed=0, **share,
                                      **{**engine_kwargs, **SERVE_ARMS[arm]})  # fmt: skip
             engines[arm].warm_up()
+            build_s[arm] = time.perf_counter() - start
+            steps_before[arm] = dict(engines[arm].runner.step_stats)
+    cuda = ctx.device.type == "cuda"
+    peak = dict.fromkeys(arms, 0 if cuda else None)
     rng = random.Random(seed)
     records, orders = {}, []
     for rnd in range(rounds):
@@ -202,16 +210,24 @@ def bench_serve_worker(ctx, model, dtype_name, arms, cells, engine_kwargs, seed,
             rng.shuffle(order)
             orders.append([f"{workload}/{rate}", *order])
             for arm in order:
+                if cuda:
+                    torch.cuda.synchronize(ctx.device)
+                    held = torch.cuda.memory_allocated(ctx.device)
+                    torch.cuda.reset_peak_memory_stats(ctx.device)
                 with many_compiles():
                     records[(arm, workload, rate, rnd)] = run_requests(ctx, engines[arm], requests, seed=seed + rnd)
-    fell_back = []
+                if cuda:
+                    peak[arm] = max(peak[arm], torch.cuda.max_memory_allocated(ctx.device) - held)
+    fell_back, stats = [], {}
     for arm, engine in engines.items():
         report = getattr(engine.runner.forward, "compile_report", None)  # None: the model runs uncompiled (TP=1)
         fell_back += [f"{arm}: {note}" for note in (report.fallbacks() if report is not None else [])]
+        stats[arm] = engine_stats(engine, build_s=build_s[arm], steps_before=steps_before[arm],
+                                  peak_step_bytes=peak[arm])  # fmt: skip
     for engine in engines.values():
         release_engine(engine)
     rows = serve_rows(records, {(w, r): len(reqs) for w, r, reqs in cells}, arms=arms, rounds=rounds)
-    return rows, orders, fell_back
+    return rows, orders, fell_back, stats
 
 
 def _workloads(args: argparse.Namespace) -> list:
@@ -262,12 +278,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     gpus_start = gpu_state()
     worker_args = (args.model, args.dtype, arms, cells, engine_kwargs, args.seed, args.rounds)
     with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:
-        rows, orders, fell_back = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
+        rows, orders, fell_back, engines = run_ranks(bench_serve_worker, *worker_args, opts=opts)[0]
     failures = "; ".join(filter(None, [_serve_failures(rows), *(f"fallback: {f}" for f in fell_back)])) or None
     meta = run_metadata(
         {"kind": "serve", "model": args.model, "tp": args.tp, "dtype": args.dtype, "layers": cfg.num_layers,
          "num_requests": args.num_prompts, "rounds": args.rounds, "orders": orders, "failures": failures,
-         "fallbacks": fell_back,
+         "fallbacks": fell_back, "engines": engines,
          **engine_kwargs},
         gpus_start=gpus_start, gpu_samples=sampler.summary(),
     )  # fmt: skip
