@@ -1187,7 +1187,6 @@ def gpu_graph_modes(ctx, config, token_counts, replays):
     return results
 
 
-@torch.no_grad()
 def _step_chunks(engine, step, rng):
     """The chunks of a step given as (prompt length, start, new tokens) each, on random token ids, their KV blocks
     taken from the engine's block manager (free them after)."""
@@ -1202,6 +1201,7 @@ def _step_chunks(engine, step, rng):
     return chunks
 
 
+@torch.no_grad()
 def gpu_piecewise_steps(ctx, model, engine_kwargs, steps, replays):
     """The engine's prefill and mixed steps (`steps`: lists of (prompt length, start, new tokens) chunks) through
     its piecewise CUDA graphs against the same compiled forward run eagerly on the same padded inputs, `replays`
