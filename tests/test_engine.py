@@ -291,13 +291,13 @@ def test_empty_sequences_of_a_whole_step_graph_change_no_logit():
         got = runner.forward(ids, pos, cu, slots, ctx_lens, tables, 4, rows, torch.tensor(fresh))
     assert got.shape == want.shape == (4, runner.model.config.vocab_size)
     assert torch.equal(got, want)
-    # sequence buckets: x4 apart up to max_num_seqs + 1; a step of T tokens uses those up to the first that holds
+    # sequence buckets: x2 apart up to max_num_seqs + 1; a step of T tokens uses those up to the first that holds
     # T + 1 sequences; never T sequences of T tokens (the attention op would take the step for decodes)
-    config = dataclasses.replace(config, max_num_seqs=64, max_num_batched_tokens=64)
+    config = dataclasses.replace(config, max_num_seqs=100, max_num_batched_tokens=64)
     runner = ModelRunner(tpweave.TPContext.single(), "tiny", config)
-    assert runner._seq_buckets == [9, 33, 65] and not runner.step_graphs  # no graphs on a CPU
-    assert runner._step_seq_buckets(8) == [9] and runner._step_seq_buckets(9) == [9, 33]
-    assert runner._step_seq_buckets(64) == [9, 33, 65]
+    assert runner._seq_buckets == [9, 17, 33, 65, 101] and not runner.step_graphs  # no graphs on a CPU
+    assert runner._step_seq_buckets(8) == [9] and runner._step_seq_buckets(9) == [9, 17]
+    assert runner._step_seq_buckets(64) == [9, 17, 33, 65]
     assert runner._step_seqs(9, 9) == 10 and runner._step_seqs(16, 9) == 9
 
 

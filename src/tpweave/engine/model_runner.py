@@ -50,9 +50,9 @@ from tpweave.log import progress
 from tpweave.models import build_model
 from tpweave.runtime.context import TPContext
 
-# sequence counts a whole-step graph is captured for (then max_num_seqs + 1): x4 apart, so that a step's empty
-# sequences cost at most about what its own do
-STEP_SEQ_BUCKETS = (9, 33, 129, 513, 2049)
+# sequence counts a whole-step graph is captured for (then max_num_seqs + 1): x2 apart, so that a step's empty
+# sequences (and padded logits rows) are fewer than its own
+STEP_SEQ_BUCKETS = (9, 17, 33, 65, 129, 257, 513, 1025, 2049)
 DEFAULT_CPU_BLOCKS = 256
 
 
