@@ -196,16 +196,19 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_came_in_before_it():
 
 
 def test_logits_do_not_depend_on_the_batch_or_the_graph_at_tp_4():
-    """At TP 4 (gloo; TP 2 is the Hugging Face test's): a sequence's logits alone (the plain graph, its all-reduces)
-    and packed with others at M up to 420 (the SP graph from M = 64 on: reduce-scatter, norm on a shard, all-gather):
-    bitwise equal, every sum across ranks in rank order (with the backend's order they differ)."""
+    """At TP 4 (gloo; TP 2 is the Hugging Face test's): a sequence's logits alone and packed with others at M up to
+    420, through the plain graph (M < 4: its all-reduces), the token-split graph (M from 4 to 63: two token subsets,
+    each one's all-reduce in flight under the other's matmuls) and the SP graph (M from 64 on: reduce-scatter, norm on
+    a shard, all-gather): bitwise equal, every sum across ranks in rank order (with the backend's order they differ).
+    The split graph sums by all-gathers it orders itself: no backend all-reduce is left in it."""
     import workers
 
-    results = tpweave.launch(workers.invariant_logits, 64, nprocs=4, timeout_s=600)
+    results = tpweave.launch(workers.invariant_logits, 64, 4, nprocs=4, timeout_s=600)
     assert results[0] == results[1]
-    equal, worst, calls = results[0]
+    equal, worst, calls, collectives = results[0]
     assert all(equal) and worst == 0.0, (equal, worst)
-    assert calls.get("plain", 0) > 0 and calls.get("sp", 0) > 0, calls
+    assert calls.get("plain", 0) > 0 and calls.get("split", 0) > 0 and calls.get("sp", 0) > 0, calls
+    assert collectives["split"] and all(c.get("all_reduce", 0) == 0 for c in collectives["split"]), collectives
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -250,7 +253,11 @@ def test_invariant_options_refuse_what_is_not_built():
     with pytest.raises(ValueError, match="invariant must be one of"):
         CompileOptions(invariant="yes")
     two = plan(CompileOptions(invariant="batch", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"), None)
-    assert two.variants["plain"].all_reduce_policy == "ordered" and two.token_split_min_tokens is None
+    assert two.variants["plain"].all_reduce_policy == "ordered" and two.token_split_min_tokens == 4
+    # token split stays on, its side stream's fused all-reduce + norm (the kernel's own sum) off; not at level "tp"
+    assert two.variants["split"].invariant == "batch" and two.variants["split"].token_split_sms == 0
+    assert plan(CompileOptions(invariant="tp", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"),
+                None).token_split_min_tokens is None  # fmt: skip
     assert two.variants["plain"].all_reduce_rms_norm_policy == "sequential" and not two.variants["sp"].async_tp
     from tpweave.ops.strategies import STRATEGIES
 

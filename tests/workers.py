@@ -1320,10 +1320,11 @@ def graph_mode_structure(ctx, token_counts):
     return out
 
 
-def invariant_logits(ctx, sp_min_tokens):
+def invariant_logits(ctx, sp_min_tokens, token_split_min_tokens=None):
     """Our Llama (wide enough that torch's fp32 matmul is batch-dependent) compiled with invariant="batch": for
     sequences of 1, 3, 6 and 37 tokens, whether the logits alone equal those packed with others (M up to 420; the
-    SP graph from sp_min_tokens on), the largest difference, and how many calls each graph variant served."""
+    SP graph from sp_min_tokens on, the token-split graph from token_split_min_tokens below it), the largest
+    difference, how many calls each graph variant served, and the collectives left in each variant's graphs."""
     import torch
 
     from tpweave import compiler
@@ -1334,7 +1335,8 @@ def invariant_logits(ctx, sp_min_tokens):
     torch._dynamo.reset()
     wide = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
     model = build_model("tiny", tp=ctx, dtype=torch.float32, **wide)
-    options = CompileOptions(invariant="batch", strict=True, sp_min_tokens=sp_min_tokens)
+    options = CompileOptions(invariant="batch", strict=True, sp_min_tokens=sp_min_tokens,
+                             token_split_min_tokens=token_split_min_tokens)  # fmt: skip
     compiled = compiler.compile(model, options=options)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -1351,7 +1353,10 @@ def invariant_logits(ctx, sp_min_tokens):
                 got = compiled(*pack(seqs).args())[start : start + length]
                 equal.append(torch.equal(got, alone))
                 worst = max(worst, (got - alone).abs().max().item())
-    return equal, worst, dict(compiled.calls)
+    collectives = {}
+    for graph in compiler.report(compiled).graphs:
+        collectives.setdefault(graph.variant, []).append(dict(graph.counts_after))
+    return equal, worst, dict(compiled.calls), collectives
 
 
 @torch.no_grad()

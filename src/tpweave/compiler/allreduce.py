@@ -38,6 +38,32 @@ def route_all_reduces(
         graph.erase_node(ar)
 
 
+def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> None:
+    """Invariant mode, token-split graph: each sum all-reduce over the TP group becomes an all-gather, issued where the
+    all-reduce was (so it stays in flight under the other token subset's matmuls), and, where the all-reduce was
+    waited for, the ranks' parts summed in rank order (tpweave::ordered_sum_gathered: for every element the bits the
+    plain graph's "ordered" all-reduce gives it). The others stay the backend's (in the report).
+
+        ar = all_reduce(x, "sum", g)                    ag = all_gather_into_tensor(x, W, g)
+        ... (the other subset's matmuls) ...     ->     ...
+        r = wait_tensor(ar)                             r = ordered_sum_gathered(wait_tensor(ag), W)
+    """
+    edit = GraphEditor(graph)
+    for wait, ar in all_reduce_waits(graph):
+        x, reduce_op, group_name = ar.args[:3]
+        if reduce_op != "sum" or group_name != cfg.group_name or len(ar.users) != 1:
+            why = f"invariant token split: cannot order ({reduce_op}, {group_name})"
+            report.add("all_reduce", ar, "left alone", why)
+            continue
+        report.add("all_reduce", ar, "routed", "ordered: all-gathered where it was issued, summed in rank order")
+        gathering = edit.insert(funcol.all_gather_into_tensor.default, (x, cfg.world_size, group_name), before=ar)
+        gathered = edit.insert(funcol.wait_tensor.default, (gathering,), before=wait)
+        summed = edit.insert(tpw.ordered_sum_gathered.default, (gathered, cfg.world_size), before=wait)
+        wait.replace_all_uses_with(summed)
+        graph.erase_node(wait)
+        graph.erase_node(ar)
+
+
 def _flatten_tokens(edit: GraphEditor, wait: fx.Node, ar: fx.Node) -> bool:
     """all_reduce(x_BSH) -> all_reduce(x.reshape(-1, H)).view(B, S, H). Lowering Inductor's all-reduce
     of a 3-D view makes it guard on the view's sizes (seq >= 2: more graphs); on the (tokens, H) matrix

@@ -264,12 +264,15 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     split_min = options.token_split_min_tokens
     if split_min is None and table is not None:
         split_min = table.token_split_min_tokens
-    if tp.world_size == 1 or invariant:
-        split_min = None  # one rank: nothing to overlap; invariant: its all-reduces are the backend's, unordered
+    if tp.world_size == 1 or options.invariant == "tp":
+        # one rank: nothing to overlap; "tp": a row-parallel product and its sum over the ranks are one op there
+        # (compiler/invariant.py), which the token split's overlap does not reach
+        split_min = None
     if split_min is not None:
-        variants["split"] = PassOptions(
-            False, False, token_split=True, token_split_sms=options.token_split_sms, **common, **gemv
-        )
+        # invariant "batch": the subsets' all-reduces as all-gathers summed in rank order (allreduce.order_all_reduces);
+        # the side stream's fused all-reduce + norm off (its sum is the kernel's own)
+        sms = 0 if invariant else options.token_split_sms
+        variants["split"] = PassOptions(False, False, token_split=True, token_split_sms=sms, **common, **gemv)
     return CompilePlan(
         variants, sp_min, table_text, options.strict, options.inductor_config(), split_min, options.piecewise_graphs
     )

@@ -6,7 +6,8 @@ SP variant:    sequence_parallel -> async_tp (all-gather + matmul, matmul + redu
                reduce-scatter + residual add + RMSNorm fusion
 plain variant: all-reduce + residual add + RMSNorm fusion -> remaining all-reduces routed to their strategy
                -> linear layers through the decode GEMV
-split variant: token_split (the plain graph as two token subsets, their all-reduces interleaved) -> decode GEMV
+split variant: token_split (the plain graph as two token subsets, their all-reduces interleaved; invariant mode:
+               all-gathers summed in rank order) -> decode GEMV
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class TPWeavePass(CustomGraphPass):
                     graph, self.tp, subset=split.subset, num_sms=self.options.token_split_sms, report=report
                 )
                 report.schedule = token_split.schedule(graph, {**split.subset, **labels})
+            if self.options.invariant is not None:
+                allreduce.order_all_reduces(graph, self.tp, report=report)
             logger.debug("[%s] graph after token_split:\n%s", variant, graph)
         else:
             allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)

@@ -84,6 +84,20 @@ def ordered_sum(parts: Tensor, dtype: torch.dtype) -> Tensor:
     return tree_sum([parts[r].float() for r in range(parts.shape[0])]).to(dtype)
 
 
+@torch.library.custom_op("tpweave::ordered_sum_gathered", mutates_args=())
+def ordered_sum_gathered(gathered: Tensor, world_size: int) -> Tensor:
+    """The ranks' parts of an all-gather along dim 0 ((W * N, *F), rank r's rows r * N onwards) summed as ordered_sum
+    sums them: (N, *F), each element the bits ordered_all_reduce gives it."""
+    parts = gathered.view(world_size, gathered.shape[0] // world_size, *gathered.shape[1:])
+    summed = ordered_sum(parts, gathered.dtype)
+    return summed.clone() if world_size == 1 else summed  # one rank: ordered_sum hands back a view of its input
+
+
+@ordered_sum_gathered.register_fake
+def _(gathered, world_size):
+    return gathered.new_empty(gathered.shape[0] // world_size, *gathered.shape[1:])
+
+
 def ordered_all_reduce(x: Tensor, group_name: str, world_size: int) -> Tensor:
     """Sum of x over the ranks, every element in one fixed order (ordered_sum): the ranks' x all-gathered, then
     summed."""
