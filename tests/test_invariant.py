@@ -200,15 +200,20 @@ def test_logits_do_not_depend_on_the_batch_or_the_graph_at_tp_4():
     420, through the plain graph (M < 4: its all-reduces), the token-split graph (M from 4 to 63: two token subsets,
     each one's all-reduce in flight under the other's matmuls) and the SP graph (M from 64 on: reduce-scatter, norm on
     a shard, all-gather): bitwise equal, every sum across ranks in rank order (with the backend's order they differ).
-    The split graph sums by all-gathers it orders itself: no backend all-reduce is left in it."""
+    The split graph sums by all-gathers it orders itself: no backend all-reduce is left in it, and each all-gather
+    (but the last) still has the other subset's matmuls between its start and its wait."""
     import workers
+    from test_compiler import uninterleaved_all_reduces
 
     results = tpweave.launch(workers.invariant_logits, 64, 4, nprocs=4, timeout_s=600)
     assert results[0] == results[1]
-    equal, worst, calls, collectives = results[0]
+    equal, worst, calls, collectives, schedules = results[0]
     assert all(equal) and worst == 0.0, (equal, worst)
     assert calls.get("plain", 0) > 0 and calls.get("split", 0) > 0 and calls.get("sp", 0) > 0, calls
     assert collectives["split"] and all(c.get("all_reduce", 0) == 0 for c in collectives["split"]), collectives
+    for schedule in schedules["split"]:
+        assert schedule.count("all_reduce A") == schedule.count("all_reduce B") > 1, schedule
+        assert uninterleaved_all_reduces(schedule) == [], schedule
 
 
 @pytest.mark.parametrize("tp", [1, 2])

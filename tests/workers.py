@@ -1324,7 +1324,7 @@ def invariant_logits(ctx, sp_min_tokens, token_split_min_tokens=None):
     """Our Llama (wide enough that torch's fp32 matmul is batch-dependent) compiled with invariant="batch": for
     sequences of 1, 3, 6 and 37 tokens, whether the logits alone equal those packed with others (M up to 420; the
     SP graph from sp_min_tokens on, the token-split graph from token_split_min_tokens below it), the largest
-    difference, how many calls each graph variant served, and the collectives left in each variant's graphs."""
+    difference, how many calls each graph variant served, and each variant's graphs' collectives and schedules."""
     import torch
 
     from tpweave import compiler
@@ -1353,10 +1353,11 @@ def invariant_logits(ctx, sp_min_tokens, token_split_min_tokens=None):
                 got = compiled(*pack(seqs).args())[start : start + length]
                 equal.append(torch.equal(got, alone))
                 worst = max(worst, (got - alone).abs().max().item())
-    collectives = {}
+    collectives, schedules = {}, {}
     for graph in compiler.report(compiled).graphs:
         collectives.setdefault(graph.variant, []).append(dict(graph.counts_after))
-    return equal, worst, dict(compiled.calls), collectives
+        schedules.setdefault(graph.variant, []).append(list(graph.schedule))
+    return equal, worst, dict(compiled.calls), collectives, schedules
 
 
 @torch.no_grad()

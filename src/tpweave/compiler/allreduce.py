@@ -38,7 +38,7 @@ def route_all_reduces(
         graph.erase_node(ar)
 
 
-def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> None:
+def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> dict[fx.Node, fx.Node]:
     """Invariant mode, token-split graph: each sum all-reduce over the TP group becomes an all-gather, issued where the
     all-reduce was (so it stays in flight under the other token subset's matmuls), and, where the all-reduce was
     waited for, the ranks' parts summed in rank order (tpweave::ordered_sum_gathered: for every element the bits the
@@ -47,8 +47,10 @@ def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> 
         ar = all_reduce(x, "sum", g)                    ag = all_gather_into_tensor(x, W, g)
         ... (the other subset's matmuls) ...     ->     ...
         r = wait_tensor(ar)                             r = ordered_sum_gathered(wait_tensor(ag), W)
-    """
+
+    Returns {new node: the node it stands for}: each all-gather for its all-reduce, each new wait for the old one."""
     edit = GraphEditor(graph)
+    replaced: dict[fx.Node, fx.Node] = {}
     for wait, ar in all_reduce_waits(graph):
         x, reduce_op, group_name = ar.args[:3]
         if reduce_op != "sum" or group_name != cfg.group_name or len(ar.users) != 1:
@@ -62,6 +64,8 @@ def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> 
         wait.replace_all_uses_with(summed)
         graph.erase_node(wait)
         graph.erase_node(ar)
+        replaced[gathering], replaced[gathered] = ar, wait
+    return replaced
 
 
 def _flatten_tokens(edit: GraphEditor, wait: fx.Node, ar: fx.Node) -> bool:

@@ -566,12 +566,14 @@ SCHEDULE_KINDS = {
 }
 
 
-def schedule(graph: fx.Graph, subset: dict[fx.Node, int]) -> list[str]:
-    """The split graph's matmuls, all-reduce starts and waits in graph order, with their subsets: "mm A", ..."""
+def schedule(graph: fx.Graph, subset: dict[fx.Node, int], kinds: dict[fx.Node, str] | None = None) -> list[str]:
+    """The split graph's matmuls, all-reduce starts and waits in graph order, with their subsets: "mm A", ...
+    `kinds`: the kind of nodes SCHEDULE_KINDS does not name (a later pass's starts of a sum)."""
+    kinds = kinds or {}
     return [
-        f"{SCHEDULE_KINDS[n.target]} {'AB'[subset[n]]}"
+        f"{kinds.get(n) or SCHEDULE_KINDS[n.target]} {'AB'[subset[n]]}"
         for n in graph.nodes
-        if n.target in SCHEDULE_KINDS and n in subset
+        if (n in kinds or n.target in SCHEDULE_KINDS) and n in subset
     ]
 
 

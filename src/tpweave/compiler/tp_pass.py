@@ -31,7 +31,7 @@ from tpweave.compiler import (
     sequence_parallel,
     token_split,
 )
-from tpweave.compiler.graph_utils import count_collectives, dispatched_ops
+from tpweave.compiler.graph_utils import count_collectives, dispatched_ops, funcol
 from tpweave.compiler.options import CompilePlan, PassOptions
 from tpweave.compiler.piecewise import PiecewiseGraphs
 from tpweave.compiler.report import CompileReport, GraphReport
@@ -80,7 +80,12 @@ class TPWeavePass(CustomGraphPass):
                 )
                 report.schedule = token_split.schedule(graph, {**split.subset, **labels})
             if self.options.invariant is not None:
-                allreduce.order_all_reduces(graph, self.tp, report=report)
+                replaced = allreduce.order_all_reduces(graph, self.tp, report=report)
+                # the schedule again, each all-gather in its all-reduce's place (a start), its wait in the old one's
+                subset = dict(split.subset)
+                subset.update({n: subset[old] for n, old in replaced.items() if old in subset})
+                kinds = {n: "all_reduce" for n in replaced if n.target is funcol.all_gather_into_tensor.default}
+                report.schedule = token_split.schedule(graph, subset, kinds)
             logger.debug("[%s] graph after token_split:\n%s", variant, graph)
         else:
             allreduce_norm.fuse_all_reduce_norms(graph, self.tp, policy_for=policy_for, report=report)
