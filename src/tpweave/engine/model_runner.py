@@ -17,8 +17,8 @@ steps are padded up to a token-count bucket (engine/buckets.py); the padding row
 sequence, of their own, in the pad block. Such a step replays a CUDA graph of the whole forward, attention
 included, captured per bucket and per kind (every sequence fresh, or some with cached context): the
 attention kernels' launches depend on shapes alone, so the step's sequences are padded too, to a fixed
-count of sequences (the rest have no tokens: no attention program of invariant mode's kernels either)
-and a fixed block-table width. Without those graphs (`whole_step_graphs=False`) the step replays the
+count of sequences (the rest have no tokens: their attention programs, invariant mode's too, find no
+rows and return) and a fixed block-table width. Without those graphs (`whole_step_graphs=False`) the step replays the
 compiled forward's pieces between its attention ops, captured per bucket (compiler/piecewise.py),
 attention running eagerly between them.
 The sequence-parallel, async-TP and token-split rewrites run inside every graph. Every graph shares one
