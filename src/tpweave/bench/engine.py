@@ -233,9 +233,8 @@ def _decode_rows(
             engine.step()
         # The forward alone: the decode graph that ran these steps, its inputs as the engine's last step left
         # them (those sequences' blocks are free now: the replays write nothing another sequence reads).
-        buckets = [b for b in sorted(runner.graphs) if b >= batch]
-        graph = runner.graphs[buckets[0]] if buckets else None
-        bucket = buckets[0] if buckets else None
+        bucket = bucket_for(sorted(runner.graphs), batch)
+        graph = runner.graphs[bucket] if bucket is not None else None
         context_lens = _rewind_graph_inputs(runner, bucket, batch, round(timed_context)) if graph is not None else []
         row: dict[str, Any] = {
             "what": "engine_decode",
@@ -251,7 +250,7 @@ def _decode_rows(
             fwd_ms = [t / REPLAYS_PER_SAMPLE for t in fwd_ms]
             roofline = (model_bytes(model) + kv_bytes(model, context_lens)) / hbm * 1e3
             row |= {
-                "graph_bucket": buckets[0],
+                "graph_bucket": bucket,
                 "forward_context": round(float(np.mean(context_lens))),
                 "forward_ms": median(fwd_ms),
                 "forward_ms_samples": fwd_ms,
