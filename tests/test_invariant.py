@@ -235,18 +235,27 @@ def test_hugging_face_llama_under_its_own_tp_plan_is_batch_invariant(tmp_path, t
 
 
 def test_logits_do_not_depend_on_the_tp_degree():
-    """invariant="tp": our Llama's logits for one packed batch (M = 420, the SP graph) and for a sequence alone (the
-    plain graph) bitwise the same at TP 1, 2 and 4 (every matmul a tree over 8 K chunks, a row-parallel layer's ranks
-    summing the subtrees); and the same with invariant="batch" differ across TP."""
+    """invariant="tp": our Llama's logits for a sequence alone (M = 37) and packed (M = 52: at TP >= 2 both through the
+    token-split graph, each subset's row-parallel products' fp32 subtrees all-gathered under the other subset's
+    matmuls) and in a batch of M = 420 (the SP graph) bitwise the same at TP 1, 2 and 4 (every matmul a tree over 8 K
+    chunks, a row-parallel layer's ranks summing the subtrees); and the same with invariant="batch" differ across TP."""
     import workers
+    from test_compiler import uninterleaved_all_reduces
 
-    one = workers.tp_invariant_logits(TPContext.single(), "tp")
+    one, calls, _, _ = workers.tp_invariant_logits(TPContext.single(), "tp")
+    assert calls["plain"] == 3 and not calls.get("split") and not calls.get("sp"), calls
     for tp in (2, 4):
-        got = tpweave.launch(workers.tp_invariant_logits, "tp", nprocs=tp, timeout_s=600)[0]
-        for (name, want), (_, logits) in zip(one, got):
+        got, calls, collectives, schedules = tpweave.launch(workers.tp_invariant_logits, "tp", nprocs=tp,
+                                                            timeout_s=600)[0]  # fmt: skip
+        assert calls == {"plain": 0, "split": 2, "sp": 1}, calls
+        for (name, want), (_, logits) in zip(one, got, strict=True):
             assert torch.equal(logits, want), (tp, name, (logits - want).abs().max())
-    batch_one = workers.tp_invariant_logits(TPContext.single(), "batch")
-    batch_two = tpweave.launch(workers.tp_invariant_logits, "batch", nprocs=2, timeout_s=600)[0]
+        assert all(c.get("all_reduce", 0) == 0 for c in collectives["split"]), collectives
+        for schedule in schedules["split"]:
+            assert schedule.count("all_reduce A") == schedule.count("all_reduce B") > 1, schedule
+            assert uninterleaved_all_reduces(schedule) == [], schedule
+    batch_one = workers.tp_invariant_logits(TPContext.single(), "batch")[0]
+    batch_two = tpweave.launch(workers.tp_invariant_logits, "batch", nprocs=2, timeout_s=600)[0][0]
     assert not all(torch.equal(a, b) for (_, a), (_, b) in zip(batch_one, batch_two))
 
 
@@ -259,10 +268,10 @@ def test_invariant_options_refuse_what_is_not_built():
         CompileOptions(invariant="yes")
     two = plan(CompileOptions(invariant="batch", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"), None)
     assert two.variants["plain"].all_reduce_policy == "ordered" and two.token_split_min_tokens == 4
-    # token split stays on, its side stream's fused all-reduce + norm (the kernel's own sum) off; not at level "tp"
+    # token split stays on at both levels, its side stream's fused all-reduce + norm (the kernel's own sum) off
     assert two.variants["split"].invariant == "batch" and two.variants["split"].token_split_sms == 0
-    assert plan(CompileOptions(invariant="tp", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"),
-                None).token_split_min_tokens is None  # fmt: skip
+    tp_two = plan(CompileOptions(invariant="tp", token_split_min_tokens=4), TPGroup("g", 0, 2, "nccl"), None)
+    assert tp_two.token_split_min_tokens == 4 and tp_two.variants["split"].invariant == "tp"
     assert two.variants["plain"].all_reduce_rms_norm_policy == "sequential" and not two.variants["sp"].async_tp
     from tpweave.ops.strategies import STRATEGIES
 

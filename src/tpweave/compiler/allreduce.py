@@ -38,7 +38,9 @@ def route_all_reduces(
         graph.erase_node(ar)
 
 
-def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> dict[fx.Node, fx.Node]:
+def order_all_reduces(
+    graph: fx.Graph, cfg: TPGroup, *, report: GraphReport, level: str = "batch"
+) -> dict[fx.Node, fx.Node]:
     """Invariant mode, token-split graph: each sum all-reduce over the TP group becomes an all-gather, issued where the
     all-reduce was (so it stays in flight under the other token subset's matmuls), and, where the all-reduce was
     waited for, the ranks' parts summed in rank order (tpweave::ordered_sum_gathered: for every element the bits the
@@ -48,7 +50,16 @@ def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> 
         ... (the other subset's matmuls) ...     ->     ...
         r = wait_tensor(ar)                             r = ordered_sum_gathered(wait_tensor(ag), W)
 
-    Returns {new node: the node it stands for}: each all-gather for its all-reduce, each new wait for the old one."""
+    level "tp": a row-parallel product's all-reduce gathers each rank's fp32 subtree of the product, summed in the
+    tree of the TP=1 product (ops/invariant.py, K_CHUNKS); the bits of the plain graph's tp_invariant_mm_all_reduce.
+
+        x = mm(a, b)                                    p = tp_invariant_rank_subtree(a, b, W)   (fp32)
+        ar = all_reduce(x, "sum", g)             ->     ag = all_gather_into_tensor(p, W, g)
+        ...                                             ...
+        r = wait_tensor(ar)                             r = ordered_sum_gathered(wait_tensor(ag), W, x.dtype)
+
+    Returns {new node: the node it stands for}: each all-gather for its all-reduce, each new wait for the old one, each
+    subtree for its matmul."""
     edit = GraphEditor(graph)
     replaced: dict[fx.Node, fx.Node] = {}
     for wait, ar in all_reduce_waits(graph):
@@ -57,13 +68,24 @@ def order_all_reduces(graph: fx.Graph, cfg: TPGroup, *, report: GraphReport) -> 
             why = f"invariant token split: cannot order ({reduce_op}, {group_name})"
             report.add("all_reduce", ar, "left alone", why)
             continue
-        report.add("all_reduce", ar, "routed", "ordered: all-gathered where it was issued, summed in rank order")
+        product = x if level == "tp" and x.target is aten.mm.default and len(x.users) == 1 else None
+        dtype = None
+        if product is not None:
+            report.add("all_reduce", ar, "routed", "ordered: the ranks' fp32 product subtrees all-gathered where it "
+                       "was issued, summed in the TP=1 product's tree")  # fmt: skip
+            dtype = val(product).dtype
+            x = edit.insert(tpw.tp_invariant_rank_subtree.default, (*product.args[:2], cfg.world_size), before=ar)
+            replaced[x] = product
+        else:
+            report.add("all_reduce", ar, "routed", "ordered: all-gathered where it was issued, summed in rank order")
         gathering = edit.insert(funcol.all_gather_into_tensor.default, (x, cfg.world_size, group_name), before=ar)
         gathered = edit.insert(funcol.wait_tensor.default, (gathering,), before=wait)
-        summed = edit.insert(tpw.ordered_sum_gathered.default, (gathered, cfg.world_size), before=wait)
+        summed = edit.insert(tpw.ordered_sum_gathered.default, (gathered, cfg.world_size, dtype), before=wait)
         wait.replace_all_uses_with(summed)
         graph.erase_node(wait)
         graph.erase_node(ar)
+        if product is not None:
+            graph.erase_node(product)
         replaced[gathering], replaced[gathered] = ar, wait
     return replaced
 

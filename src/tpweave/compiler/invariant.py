@@ -16,6 +16,8 @@ Level "tp" (CompileOptions(invariant="tp"): the same bits at TP 1, 2, 4, 8; ops/
     r = tpweave.all_reduce(mm(x, wt), g, W, p)      r = tpweave.tp_invariant_mm_all_reduce(x, wt, g, W)
     r = tpweave.reduce_scatter_tokens(mm(x, wt), 1, g, W)
                                                     r = tpweave.tp_invariant_mm_reduce_scatter(x, wt, g, W)
+(the token-split graph's row-parallel products and their sums are already tpweave.tp_invariant_rank_subtree, an
+all-gather and tpweave.ordered_sum_gathered: compiler/allreduce.py order_all_reduces)
 
 The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
 every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
@@ -74,6 +76,10 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
     if tp:
         for name, count in _fuse_row_parallel(graph).items():
             swapped[name] = count
+        # the token-split graph's, already in place (compiler/allreduce.py order_all_reduces)
+        subtrees = sum(n.target is tpw.tp_invariant_rank_subtree.default for n in graph.nodes)
+        if subtrees:
+            swapped["mm + all_reduce as fp32 subtrees all-gathered"] = subtrees
     swaps = {**SWAPS, aten.mm.default: tpw.tp_invariant_mm.default} if tp else SWAPS
     for node in list(graph.nodes):
         if node.op != "call_function":

@@ -264,13 +264,12 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     split_min = options.token_split_min_tokens
     if split_min is None and table is not None:
         split_min = table.token_split_min_tokens
-    if tp.world_size == 1 or options.invariant == "tp":
-        # one rank: nothing to overlap; "tp": a row-parallel product and its sum over the ranks are one op there
-        # (compiler/invariant.py), which the token split's overlap does not reach
+    if tp.world_size == 1:  # nothing to overlap
         split_min = None
     if split_min is not None:
-        # invariant "batch": the subsets' all-reduces as all-gathers summed in rank order (allreduce.order_all_reduces);
-        # the side stream's fused all-reduce + norm off (its sum is the kernel's own)
+        # invariant: the subsets' all-reduces as all-gathers summed in rank order (at level "tp" of the products' fp32
+        # subtrees: allreduce.order_all_reduces); the side stream's fused all-reduce + norm off (its sum is the
+        # kernel's own)
         sms = 0 if invariant else options.token_split_sms
         variants["split"] = PassOptions(False, False, token_split=True, token_split_sms=sms, **common, **gemv)
     return CompilePlan(

@@ -7,7 +7,7 @@ SP variant:    sequence_parallel -> async_tp (all-gather + matmul, matmul + redu
 plain variant: all-reduce + residual add + RMSNorm fusion -> remaining all-reduces routed to their strategy
                -> linear layers through the decode GEMV
 split variant: token_split (the plain graph as two token subsets, their all-reduces interleaved; invariant mode:
-               all-gathers summed in rank order) -> decode GEMV
+               all-gathers summed in rank order, at level "tp" of the products' fp32 subtrees) -> decode GEMV
 """
 
 from __future__ import annotations
@@ -80,11 +80,13 @@ class TPWeavePass(CustomGraphPass):
                 )
                 report.schedule = token_split.schedule(graph, {**split.subset, **labels})
             if self.options.invariant is not None:
-                replaced = allreduce.order_all_reduces(graph, self.tp, report=report)
-                # the schedule again, each all-gather in its all-reduce's place (a start), its wait in the old one's
+                replaced = allreduce.order_all_reduces(graph, self.tp, report=report, level=self.options.invariant)
+                # the schedule again, each all-gather in its all-reduce's place (a start), its wait in the old one's,
+                # a product's subtree (level "tp") in its matmul's
                 subset = dict(split.subset)
                 subset.update({n: subset[old] for n, old in replaced.items() if old in subset})
-                kinds = {n: "all_reduce" for n in replaced if n.target is funcol.all_gather_into_tensor.default}
+                kinds = {n: "all_reduce" if n.target is funcol.all_gather_into_tensor.default else "mm"
+                         for n in replaced if n.target is not funcol.wait_tensor.default}  # fmt: skip
                 report.schedule = token_split.schedule(graph, subset, kinds)
             logger.debug("[%s] graph after token_split:\n%s", variant, graph)
         else:

@@ -85,17 +85,18 @@ def ordered_sum(parts: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @torch.library.custom_op("tpweave::ordered_sum_gathered", mutates_args=())
-def ordered_sum_gathered(gathered: Tensor, world_size: int) -> Tensor:
+def ordered_sum_gathered(gathered: Tensor, world_size: int, dtype: torch.dtype | None = None) -> Tensor:
     """The ranks' parts of an all-gather along dim 0 ((W * N, *F), rank r's rows r * N onwards) summed as ordered_sum
-    sums them: (N, *F), each element the bits ordered_all_reduce gives it."""
+    sums them: (N, *F) in `dtype` (None: the parts'), each element the bits ordered_all_reduce gives it."""
     parts = gathered.view(world_size, gathered.shape[0] // world_size, *gathered.shape[1:])
-    summed = ordered_sum(parts, gathered.dtype)
-    return summed.clone() if world_size == 1 else summed  # one rank: ordered_sum hands back a view of its input
+    summed = ordered_sum(parts, dtype or gathered.dtype)
+    # one rank: ordered_sum may hand back a view of its input
+    return summed.clone() if summed.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr() else summed
 
 
 @ordered_sum_gathered.register_fake
-def _(gathered, world_size):
-    return gathered.new_empty(gathered.shape[0] // world_size, *gathered.shape[1:])
+def _(gathered, world_size, dtype=None):
+    return gathered.new_empty(gathered.shape[0] // world_size, *gathered.shape[1:], dtype=dtype or gathered.dtype)
 
 
 def ordered_all_reduce(x: Tensor, group_name: str, world_size: int) -> Tensor:

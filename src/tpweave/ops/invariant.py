@@ -321,12 +321,24 @@ def _(bias, a, b, beta=1.0, alpha=1.0):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
-def _rank_subtrees(a: Tensor, b: Tensor, group_name: str, world_size: int) -> Tensor:
-    """(W, M, N) fp32: every rank's subtree of a row-parallel product (its K_CHUNKS / W chunks), gathered."""
+@torch.library.custom_op("tpweave::tp_invariant_rank_subtree", mutates_args=())
+def tp_invariant_rank_subtree(a: Tensor, b: Tensor, world_size: int) -> Tensor:
+    """(M, N) fp32: this rank's subtree of a row-parallel product a (M, K / W) @ b (K / W, N), its K_CHUNKS / W chunks
+    summed in the TP=1 product's tree (the K_CHUNKS comment); the ranks' subtrees, summed by tree_sum in rank order,
+    give the TP=1 product's bits."""
     if K_CHUNKS % world_size:
         raise ValueError(f"the tp level keeps results across TP sizes dividing {K_CHUNKS}, got {world_size}")
-    partial = _tree_mm(a, b, K_CHUNKS // world_size)
-    return all_gather_dim0(partial[None].contiguous(), world_size, group_name)
+    return _tree_mm(a, b, K_CHUNKS // world_size).contiguous()
+
+
+@tp_invariant_rank_subtree.register_fake
+def _(a, b, world_size):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)
+
+
+def _rank_subtrees(a: Tensor, b: Tensor, group_name: str, world_size: int) -> Tensor:
+    """(W, M, N) fp32: every rank's subtree of a row-parallel product (tp_invariant_rank_subtree), gathered."""
+    return all_gather_dim0(tp_invariant_rank_subtree(a, b, world_size)[None], world_size, group_name)
 
 
 @torch.library.custom_op("tpweave::tp_invariant_mm_all_reduce", mutates_args=())
