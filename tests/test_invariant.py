@@ -226,12 +226,28 @@ def test_hugging_face_llama_under_its_own_tp_plan_is_batch_invariant(tmp_path, t
         results = [workers.hf_invariant_logits(TPContext.single(), str(tmp_path))]
     else:
         results = tpweave.launch(workers.hf_invariant_logits, str(tmp_path), nprocs=tp, timeout_s=600)
-    equal, swaps, calls = results[0]
+    equal, swaps, calls, _ = results[0]
     assert all(equal), equal
     assert all(s["not_invariant"] == {} and s["swapped"].get("aten._scaled_dot_product_flash_attention_for_cpu.default")
                for s in swaps), swaps  # fmt: skip
     if tp > 1:
         assert calls.get("sp", 0) > 0 and calls.get("plain", 0) > 0, calls
+
+
+def test_hugging_face_llama_under_its_own_tp_plan_gives_tp_1s_bits_at_tp_2(tmp_path):
+    """invariant="tp", transformers' Llama under its own TP plan: a prompt's logits at TP 2 (plain and SP graphs: each
+    row-parallel product reaches its sum through a (B, S, N) reshape) bitwise those at TP 1, alone and batch-invariant
+    in right-padded batches; each row-parallel product and its sum one op in the report."""
+    import workers
+
+    one = workers.hf_invariant_logits(TPContext.single(), str(tmp_path / "one"), "tp")
+    two = tpweave.launch(workers.hf_invariant_logits, str(tmp_path / "two"), "tp", nprocs=2, timeout_s=600)[0]
+    for equal, swaps, _, _ in (one, two):
+        assert all(equal) and all(s["not_invariant"] == {} for s in swaps), (equal, swaps)
+    assert all(s["swapped"].get("mm + tpweave.all_reduce.default", 0) + s["swapped"].get(
+        "mm + tpweave.reduce_scatter_tokens.default", 0) == 4 for s in two[1]), two[1]  # fmt: skip
+    for want, got in zip(one[3], two[3], strict=True):
+        assert torch.equal(got, want), (got - want).abs().max()
 
 
 def test_logits_do_not_depend_on_the_tp_degree():

@@ -1361,11 +1361,11 @@ def invariant_logits(ctx, sp_min_tokens, token_split_min_tokens=None):
 
 
 @torch.no_grad()
-def hf_invariant_logits(ctx, path):
+def hf_invariant_logits(ctx, path, level="batch"):
     """A Hugging Face Llama (wide enough that fp32 matmuls are batch-dependent) loaded with transformers' own TP plan
-    (tp_plan="auto"; at one rank without), its forward compiled with invariant="batch" and strict=True: whether a
+    (tp_plan="auto"; at one rank without), its forward compiled with invariant=level and strict=True: whether a
     prompt's logits alone equal its rows in right-padded batches of 2 and 3 (M up to 300, the SP graph from 64 on),
-    and the report's swaps."""
+    the report's swaps, the calls per graph variant, and the prompts' logits alone."""
     import torch.distributed as dist
     import transformers
 
@@ -1382,12 +1382,13 @@ def hf_invariant_logits(ctx, path):
     else:
         extra = {}
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
-    forward = tpweave.compile(model.forward, options=CompileOptions(invariant="batch", strict=True, sp_min_tokens=64))
+    forward = tpweave.compile(model.forward, options=CompileOptions(invariant=level, strict=True, sp_min_tokens=64))
     g = torch.Generator().manual_seed(1)
-    equal = []
+    equal, alones = [], []
     for length in (1, 6, 37):
         target = torch.randint(1, 256, (length,), generator=g)
         alone = forward(input_ids=target[None], attention_mask=torch.ones(1, length, dtype=torch.long)).logits[0]
+        alones.append(alone)
         for others in ([40], [100, 3]):
             seqs = [torch.randint(1, 256, (n,), generator=g) for n in others] + [target]
             width = max(len(s) for s in seqs)
@@ -1398,7 +1399,7 @@ def hf_invariant_logits(ctx, path):
             got = forward(input_ids=ids, attention_mask=mask).logits[-1, :length]
             equal.append(torch.equal(got, alone))
     report = tpweave.report(forward)
-    return equal, [gr.invariant for gr in report.graphs], dict(forward.calls)
+    return equal, [gr.invariant for gr in report.graphs], dict(forward.calls), alones
 
 
 def tp_invariant_logits(ctx, level):

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, funcol, tpw, val
+from tpweave.compiler.invariant import row_parallel_product
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 
@@ -68,11 +69,12 @@ def order_all_reduces(
             why = f"invariant token split: cannot order ({reduce_op}, {group_name})"
             report.add("all_reduce", ar, "left alone", why)
             continue
-        product = x if level == "tp" and x.target is aten.mm.default and len(x.users) == 1 else None
-        dtype = None
-        if product is not None:
+        found = row_parallel_product(x) if level == "tp" else None
+        dtype = chain = None
+        if found is not None:
             report.add("all_reduce", ar, "routed", "ordered: the ranks' fp32 product subtrees all-gathered where it "
                        "was issued, summed in the TP=1 product's tree")  # fmt: skip
+            product, chain = found
             dtype = val(product).dtype
             x = edit.insert(tpw.tp_invariant_rank_subtree.default, (*product.args[:2], cfg.world_size), before=ar)
             replaced[x] = product
@@ -81,11 +83,13 @@ def order_all_reduces(
         gathering = edit.insert(funcol.all_gather_into_tensor.default, (x, cfg.world_size, group_name), before=ar)
         gathered = edit.insert(funcol.wait_tensor.default, (gathering,), before=wait)
         summed = edit.insert(tpw.ordered_sum_gathered.default, (gathered, cfg.world_size, dtype), before=wait)
+        if chain:
+            summed = edit.insert(aten.reshape.default, (summed, chain[-1].args[1]), before=wait)
         wait.replace_all_uses_with(summed)
         graph.erase_node(wait)
         graph.erase_node(ar)
-        if product is not None:
-            graph.erase_node(product)
+        if found is not None:
+            edit.erase_unused({product, *chain})
         replaced[gathering], replaced[gathered] = ar, wait
     return replaced
 

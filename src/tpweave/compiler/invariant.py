@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, same, val
 from tpweave.compiler.report import GraphReport
 from tpweave.ops import invariant as _invariant_ops  # noqa: F401  (registers the invariant ops)
 
@@ -76,6 +77,9 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
     if tp:
         for name, count in _fuse_row_parallel(graph).items():
             swapped[name] = count
+        for node in _unfused_product_sums(graph):
+            name = f"{node.target} of a matmul's product (tp level: not summed in the product's tree)"
+            left[name] = left.get(name, 0) + 1
         # the token-split graph's, already in place (compiler/allreduce.py order_all_reduces)
         subtrees = sum(n.target is tpw.tp_invariant_rank_subtree.default for n in graph.nodes)
         if subtrees:
@@ -116,28 +120,80 @@ ROW_PARALLEL_FUSIONS = {
 }
 
 
+def row_parallel_product(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """x as a matmul's product: (the mm, the reshapes from the mm to x, x last) when x is mm(a, b) or reshapes of its
+    rows (its last dim kept, as a Hugging Face linear's (B, S, N) view), each node read by the next alone; None when it
+    is not (or when x's sizes are computed from the chain itself)."""
+    chain = []
+    node = x
+    while isinstance(node, fx.Node) and node.target in VIEW_OPS and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.target is aten.mm.default and len(node.users) == 1):
+        return None
+    if chain:
+        sizes = chain[0].args[1]
+        if not same(val(x).shape[-1], val(node).shape[-1]) or any(s in chain or s is node for s in sizes):
+            return None
+    return node, chain[::-1]
+
+
 def _fuse_row_parallel(graph: fx.Graph) -> dict[str, int]:
-    """level "tp": mm(a, b) read only by an all-reduce or a reduce-scatter over tokens becomes one op that sums the
-    ranks' K-chunk subtrees in the TP=1 product's tree. {what was fused: count}."""
+    """level "tp": mm(a, b) read only by an all-reduce or a reduce-scatter over tokens (through reshapes of its rows)
+    becomes one op that sums the ranks' K-chunk subtrees in the TP=1 product's tree. {what was fused: count}.
+
+        y = mm(a, b)                                    r = tp_invariant_mm_all_reduce(a, b, g, W)
+        x = reshape(y, [B, S, N])              ->       r = reshape(r, [B, S, N])
+        r = tpweave.all_reduce(x, g, W, p)
+    """
+    edit = GraphEditor(graph)
     fused: dict[str, int] = {}
-    for node in list(graph.nodes):
-        if node.target is not aten.mm.default or len(node.users) != 1:
+    for user in list(graph.nodes):
+        if user.target not in ROW_PARALLEL_FUSIONS:
             continue
-        user = next(iter(node.users))
-        if user.target not in ROW_PARALLEL_FUSIONS or user.args[0] is not node:
+        x = user.args[0]
+        found = row_parallel_product(x)
+        if found is None:
             continue
+        product, chain = found
         if user.target is tpw.all_reduce.default:
             group_name, world_size = user.args[1], user.args[2]
-        elif user.args[1] == 1:
+        elif user.args[1] == val(x).dim() - 1:  # every dim but the last a token dim: the product's rows
             group_name, world_size = user.args[2], user.args[3]
         else:
             continue
         name = f"mm + {user.target}"
-        user.target = ROW_PARALLEL_FUSIONS[user.target]
-        user.args, user.kwargs = (*node.args, group_name, world_size), {}
-        graph.erase_node(node)
+        one = edit.insert(ROW_PARALLEL_FUSIONS[user.target], (*product.args[:2], group_name, world_size), before=user)
+        if chain and user.target is tpw.all_reduce.default:
+            one = edit.insert(aten.reshape.default, (one, chain[-1].args[1]), before=user)
+        user.replace_all_uses_with(one)
+        graph.erase_node(user)
+        edit.erase_unused({product, *chain})
         fused[name] = fused.get(name, 0) + 1
     return fused
+
+
+def _unfused_product_sums(graph: fx.Graph) -> list[fx.Node]:
+    """level "tp": the sums over ranks left whose input is a matmul's product (through reshapes, casts and copies):
+    their ranks' parts were each rounded alone, so the sum is not the TP=1 product's. A sum of something else (a
+    vocab-parallel embedding's rows, one rank's nonzero) is left to the batch level's ordered sum."""
+    sums = []
+    for node in graph.nodes:
+        if node.target in ROW_PARALLEL_FUSIONS or node.target is tpw.ordered_reduce_scatter_tokens.default:
+            x = node.args[0]
+        elif node.target is tpw.ordered_sum_gathered.default and _arg(node, 2, "dtype") is None:
+            x = node.args[0].args[0].args[0]  # ordered_sum_gathered(wait_tensor(all_gather_into_tensor(x, ...)))
+        else:
+            continue
+        while isinstance(x, fx.Node) and (x.target in VIEW_OPS or x.target in SAME_SHAPE_OPS):
+            x = x.args[0]
+        if isinstance(x, fx.Node) and x.target in (aten.mm.default, aten.addmm.default):
+            sums.append(node)
+    return sums
+
+
+def _arg(node: fx.Node, i: int, name: str):
+    return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
 def _unordered_collective(node: fx.Node) -> bool:
