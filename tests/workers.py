@@ -1429,3 +1429,63 @@ def tp_invariant_logits(ctx, level):
         collectives.setdefault(graph.variant, []).append(dict(graph.counts_after))
         schedules.setdefault(graph.variant, []).append(list(graph.schedule))
     return logits, dict(compiled.calls), collectives, schedules
+
+
+def ordered_strategy_outputs(ctx, counts):
+    """The ordered strategies' async-TP ops (ops/strategies/ordered.py) on this rank against the unfused ops they
+    stand for, at each M of counts: {(strategy, kind, M): bitwise equal}, and for each strategy and kind the order
+    in which one call issued its collective, multiplied and waited ("start", "mm", "wait")."""
+    import torch
+
+    from tpweave.ops import invariant
+    from tpweave.ops.collectives import ordered_reduce_scatter_tokens, shard_rows
+    from tpweave.ops.strategies import ordered
+
+    group, world = ctx.comm_group_name, ctx.world_size
+    g = torch.Generator().manual_seed(10 + ctx.rank)
+    k, n = 128, 96
+    w, b = torch.randn(k, n, generator=g), torch.randn(n, generator=g)
+    equal = {}
+    for m in counts:
+        x_local = torch.randn(shard_rows(m, world), k, generator=g)
+        a = torch.randn(m, k, generator=g)
+        full = torch.ops.tpweave.all_gather_tokens(x_local, [m], group, world)
+        tree = invariant.tp_invariant_mm(full, w), invariant.tp_invariant_addmm(b, full, w)
+        wants = {
+            ("ordered", "ag_mm"): [full, invariant.invariant_mm(full, w), invariant.invariant_addmm(b, full, w)],
+            ("ordered_tp", "ag_mm"): [full, *tree],
+            ("ordered", "mm_rs"): [ordered_reduce_scatter_tokens(invariant.invariant_mm(a, w), 1, group, world)],
+            ("ordered_tp", "mm_rs"): [invariant.tp_invariant_mm_reduce_scatter(a, w, group, world)],
+        }
+        for (name, kind), want in wants.items():
+            strategy = getattr(ordered, "ORDERED_TP" if name == "ordered_tp" else "ORDERED")
+            if kind == "ag_mm":
+                got = strategy.ag_mm(x_local, [w, w], [None, b], [m], group, world)
+            else:
+                got = [strategy.mm_rs(a, w, group, world)]
+            equal[(name, kind, m)] = len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
+
+    events = []
+
+    class Recording:
+        def __getattr__(self, op):
+            def call(*args):
+                events.append("wait" if op == "wait_tensor" else "start")
+                return getattr(torch.ops._c10d_functional, op)(*args)
+
+            return call
+
+    product = ordered._product
+    ordered._funcol = Recording()
+    ordered._product = lambda *args: (events.append("mm"), product(*args))[1]
+    orders = {}
+    m = 64
+    for name in ("ORDERED", "ORDERED_TP"):
+        strategy = getattr(ordered, name)
+        events.clear()
+        strategy.ag_mm(torch.randn(shard_rows(m, world), k, generator=g), [w], [None], [m], group, world)
+        orders[(name, "ag_mm")] = list(events)
+        events.clear()
+        strategy.mm_rs(torch.randn(m, k, generator=g), w, group, world)
+        orders[(name, "mm_rs")] = list(events)
+    return equal, orders

@@ -38,6 +38,7 @@ import torch.fx as fx
 from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, same, val
 from tpweave.compiler.report import GraphReport
 from tpweave.ops import invariant as _invariant_ops  # noqa: F401  (registers the invariant ops)
+from tpweave.ops.strategies.ordered import BY_LEVEL
 
 aten = torch.ops.aten
 tpw = torch.ops.tpweave
@@ -99,7 +100,7 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         elif target in AUTO_FUNCTIONALIZED and node.args and node.args[0] in MUTABLE_SWAPS:
             target = node.args[0]
             node.args = (MUTABLE_SWAPS[target], *node.args[1:])
-        elif target in NOT_INVARIANT or _unordered_collective(node):
+        elif target in NOT_INVARIANT or _unordered_collective(node, level):
             name = str(target)
             left[name] = left.get(name, 0) + 1
             continue
@@ -196,9 +197,10 @@ def _arg(node: fx.Node, i: int, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
-def _unordered_collective(node: fx.Node) -> bool:
+def _unordered_collective(node: fx.Node, level: str) -> bool:
     """A collective that sums across ranks in an order of the backend's (its size decides where each row's sum
-    starts), or a strategy-dispatched op whose policy is not `ordered` (ops/strategies/ordered.py)."""
+    starts), or a strategy-dispatched op whose policy is not the level's ordered strategy (ops/strategies/ordered.py:
+    at level "tp" its matmuls are tree products)."""
     name = str(node.target)
     if name.startswith(("_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter")):
         return True
@@ -209,5 +211,5 @@ def _unordered_collective(node: fx.Node) -> bool:
     if "policy" in names:
         i = names.index("policy")
         policy = node.args[i] if i < len(node.args) else node.kwargs.get("policy")
-        return policy != "ordered"
+        return policy != BY_LEVEL[level]
     return "num_sms" in names  # the token split's side-stream all-reduce + norm: no policy, never ordered

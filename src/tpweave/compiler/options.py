@@ -21,6 +21,7 @@ from tpweave.compiler.tp_group import TPGroup
 from tpweave.log import logger
 from tpweave.ops import pdl
 from tpweave.ops.strategies import check_policy
+from tpweave.ops.strategies.ordered import BY_LEVEL
 from tpweave.tuning.table import SiteShape, StrategyTable
 
 if TYPE_CHECKING:
@@ -246,6 +247,7 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     ar_norm = options.all_reduce_rms_norm_policy or (DEFAULT_AR_NORM_POLICY if fuse_norm else "sequential")
     site_policies = tuple(sorted(table.policies.items())) if table is not None else ()
     invariant = options.invariant is not None
+    ordered = BY_LEVEL.get(options.invariant)  # the strategy every site runs under in invariant mode
     if invariant:  # every cross-rank sum in one fixed order (ops/strategies/ordered.py), the norm left to Inductor
         site_policies, ar_norm = (), "sequential"
     common = dict(site_policies=site_policies)
@@ -253,13 +255,14 @@ def plan(options: CompileOptions, tp: TPGroup, module: object) -> CompilePlan:
     # invariant: the decode GEMV is another kernel at one row than above it, so it stays off
     gemv = dict(decode_gemv=options.decode_gemv and options.invariant is None,
                 norm_gemv=options.norm_gemv and options.invariant is None, invariant=options.invariant)  # fmt: skip
-    all_reduce = "ordered" if invariant else options.all_reduce_policy
+    all_reduce = ordered or options.all_reduce_policy
     variants = {"plain": PassOptions(False, False, all_reduce_policy=all_reduce,
                                      all_reduce_rms_norm_policy=ar_norm, **common, **gemv)}  # fmt: skip
     if options.sp if options.sp is not None else tp.world_size > 1:  # with one rank SP only adds copies
-        # invariant: no async-TP fusion yet (its reduce-scatter + norm is another norm kernel than the plain graph's)
-        variants["sp"] = PassOptions(True, options.async_tp and not invariant, ag_mm_policy=options.ag_mm_policy,
-                                     mm_rs_policy=options.mm_rs_policy, invariant=options.invariant,
+        # invariant: async TP's ops under the ordered strategy (their overlap kept), the reduce-scatter + norm not
+        # fused (that norm would be another kernel than the plain graph's)
+        variants["sp"] = PassOptions(True, options.async_tp, ag_mm_policy=ordered or options.ag_mm_policy,
+                                     mm_rs_policy=ordered or options.mm_rs_policy, invariant=options.invariant,
                                      **common)  # fmt: skip
     split_min = options.token_split_min_tokens
     if split_min is None and table is not None:

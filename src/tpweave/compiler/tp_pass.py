@@ -70,7 +70,8 @@ class TPWeavePass(CustomGraphPass):
             if self.options.async_tp:
                 async_tp.fuse_all_gather_matmuls(graph, policy_for=policy_for, report=report)
                 async_tp.fuse_matmul_reduce_scatters(graph, policy_for=policy_for, report=report)
-                allreduce_norm.fuse_reduce_scatter_norms(graph, report=report)
+                if self.options.invariant is None:  # its norm is another kernel than the plain graph's
+                    allreduce_norm.fuse_reduce_scatter_norms(graph, report=report)
                 logger.debug("[%s] graph after async_tp:\n%s", variant, graph)
         elif self.options.token_split:
             split = token_split.TokenSplitPass(graph, self.tp, report)

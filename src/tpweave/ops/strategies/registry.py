@@ -31,6 +31,7 @@ STRATEGIES: MappingProxyType[str, Strategy] = MappingProxyType(
             ce_overlap.CE_OVERLAP,
             ce_overlap.CE_OVERLAP_2S,
             ordered.ORDERED,
+            ordered.ORDERED_TP,
         )
     }
 )
