@@ -90,58 +90,13 @@ def test_compiled_model_logits_do_not_depend_on_the_batch():
 
 def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
     """Greedy generation of `prompts` by a TP=1 engine, with the logits row of every sampled token keyed by the
-    tokens it was computed from."""
-    from tpweave.compiler.piecewise import PiecewiseGraphs
-    from tpweave.engine import LLMEngine, SamplingParams
+    tokens it was computed from (workers.engine_logits)."""
+    import workers
 
-    torch._dynamo.reset()
-    engine = LLMEngine(TPContext.single(device), "tiny", **config)
-    runner = engine.runner
-    if pad_to is not None and runner.pieces is None:  # the padding the piecewise CUDA graphs bring, on a CPU
-        runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
-    seen: dict[tuple, torch.Tensor] = {}
-    forward, launch, decode_with_graph, whole_step = (runner.forward, runner.launch, runner._decode_with_graph,
-                                                      runner.whole_step)  # fmt: skip
-
-    def recording_launch(chunks):
-        step = {}
-
-        def recording_forward(*args):
-            step["logits"] = forward(*args)
-            return step["logits"]
-
-        def recording_decode(*args):  # a decode step replayed from its CUDA graph
-            logits = decode_with_graph(*args)
-            if logits is not None:
-                step["logits"] = logits
-            return logits
-
-        def recording_whole_step(*args):  # a prefill or mixed step replayed from its graph of the whole step
-            whole = whole_step(*args)
-            if whole is None:
-                return None
-
-            def run():
-                step["logits"] = whole[1]()
-                return step["logits"]
-
-            return whole[0], run
-
-        runner.forward, runner._decode_with_graph, runner.whole_step = (recording_forward, recording_decode,
-                                                                        recording_whole_step)  # fmt: skip
-        try:
-            out = launch(chunks)
-        finally:
-            runner.forward, runner._decode_with_graph, runner.whole_step = forward, decode_with_graph, whole_step
-        for b, c in enumerate(chunks):
-            if c.samples:
-                seen[tuple(c.seq.tokens(0, c.start + c.num_tokens))] = step["logits"][b].clone()
-        return out
-
-    runner.launch = recording_launch
-    results = engine.generate(prompts, params or SamplingParams(max_tokens=6))
-    _engine_logits.step_stats = dict(runner.step_stats)  # how the steps ran (CUDA graphs or not)
-    return results, seen
+    results, seen, _engine_logits.step_stats, _ = workers.engine_logits(
+        TPContext.single(device), [prompts], config, pad_to=pad_to, params=params
+    )
+    return results[0], seen
 
 
 @pytest.mark.parametrize(
@@ -177,6 +132,28 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
             assert stats["decode_graph"] > 0 and stats["whole_graph" if whole else "piecewise"] > 0, stats
             assert stats["eager"] == 0, stats
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
+
+
+def test_engine_at_tp_2_gives_each_request_the_logits_it_has_alone_at_tp_1():
+    """invariant="tp", the engine at TP 2 (gloo) against TP 1: the requests together, in steps of at most 16 tokens
+    (chunked prefill, mixed steps, decodes; the plain graph below 4 tokens, token split from 4, SP and async TP at
+    16; each ran) and with too few KV blocks for all (preemption), give every sampled token the logits bits it has at
+    TP 1 with each request alone."""
+    import workers
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
+    config = dict(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                  num_blocks=16, async_scheduling=False, invariant="tp", model_overrides=WIDE, sp_min_tokens=16,
+                  token_split_min_tokens=4)  # fmt: skip
+    _, alone, _, _ = workers.engine_logits(TPContext.single(), [[p] for p in prompts], {**config, "num_blocks": 32})
+    ranks = tpweave.launch(workers.engine_logits, [prompts], config, nprocs=2, timeout_s=600)
+    (results,), together, _, calls = ranks[0]
+    assert sum(r["num_preemptions"] for r in results) > 0
+    assert all(calls.get(variant, 0) > 0 for variant in ("plain", "split", "sp")), calls
+    assert set(together) == set(alone) and len(alone) == 5 * 6
+    for key, logits in together.items():
+        assert torch.equal(logits, alone[key]), (len(key), (logits - alone[key]).abs().max())
 
 
 def test_a_seeded_request_samples_the_same_tokens_whatever_came_in_before_it():

@@ -1489,3 +1489,62 @@ def ordered_strategy_outputs(ctx, counts):
         strategy.mm_rs(torch.randn(m, k, generator=g), w, group, world)
         orders[(name, "mm_rs")] = list(events)
     return equal, orders
+
+
+def engine_logits(ctx, prompt_groups, config, *, pad_to=None, params=None):
+    """Generation of each group of prompts in turn by one engine of the tiny Llama (greedy unless `params`): each
+    group's results, the logits row of every sampled token keyed by the tokens it was computed from, how the steps
+    ran (runner.step_stats) and the calls each compiled graph variant served."""
+    import torch
+
+    from tpweave.compiler.piecewise import PiecewiseGraphs
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    torch._dynamo.reset()
+    engine = LLMEngine(ctx, "tiny", **config)
+    runner = engine.runner
+    if pad_to is not None and runner.pieces is None:  # the padding the piecewise CUDA graphs bring, on a CPU
+        runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
+    seen: dict[tuple, torch.Tensor] = {}
+    forward, launch, decode_with_graph, whole_step = (runner.forward, runner.launch, runner._decode_with_graph,
+                                                      runner.whole_step)  # fmt: skip
+
+    def recording_launch(chunks):
+        step = {}
+
+        def recording_forward(*args):
+            step["logits"] = forward(*args)
+            return step["logits"]
+
+        def recording_decode(*args):  # a decode step replayed from its CUDA graph
+            logits = decode_with_graph(*args)
+            if logits is not None:
+                step["logits"] = logits
+            return logits
+
+        def recording_whole_step(*args):  # a prefill or mixed step replayed from its graph of the whole step
+            whole = whole_step(*args)
+            if whole is None:
+                return None
+
+            def run():
+                step["logits"] = whole[1]()
+                return step["logits"]
+
+            return whole[0], run
+
+        runner.forward, runner._decode_with_graph, runner.whole_step = (recording_forward, recording_decode,
+                                                                        recording_whole_step)  # fmt: skip
+        try:
+            out = launch(chunks)
+        finally:
+            runner.forward, runner._decode_with_graph, runner.whole_step = forward, decode_with_graph, whole_step
+        for b, c in enumerate(chunks):
+            if c.samples:
+                seen[tuple(c.seq.tokens(0, c.start + c.num_tokens))] = step["logits"][b].clone()
+        return out
+
+    runner.launch = recording_launch
+    results = [engine.generate(prompts, params or SamplingParams(max_tokens=6)) for prompts in prompt_groups]
+    calls = dict(getattr(forward, "calls", {}))  # the steps each compiled graph variant served
+    return results, seen, dict(runner.step_stats), calls
