@@ -308,9 +308,12 @@ def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
 def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu():
     """ops/invariant_kernels.py compiled on the GPU (bf16, llama3-8b's shapes): a row's matmul result alone, among
     up to 2048 rows and at another place; a query's attention output in a prefill, a chunk after cached context, a
-    decode, and packed among other sequences: bitwise the same."""
+    decode, and packed among other sequences: bitwise the same. The "tp" level's tree product: a row alone and among
+    513, and the ranks' subtrees of a row-parallel K summed in the tree's upper levels at TP 2, 4 and 8: the bits of
+    the whole tree."""
     from test_gpu_attention import _paged_case
     from tpweave.ops import invariant_kernels
+    from tpweave.ops.collectives import tree_sum
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096)):
@@ -323,6 +326,16 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
         for tiling in invariant_kernels.TILINGS:  # every launch shape, BLOCK_K 64 or 128: the same bits
             assert torch.equal(invariant_kernels.matmul(x[:65], w.t(), tiling=tiling), full[:65]), (n, k, tiling)
         torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)
+        # the "tp" level's tree product: rows alone, and the ranks' subtrees of a row-parallel K at TP 2, 4 and 8
+        tree = invariant_kernels.tree_matmul(x[:513], w.t(), 8)
+        torch.testing.assert_close(tree, (x[:513] @ w.t()).float(), atol=0.5, rtol=2e-2)
+        for m in (1, 64, 65):
+            assert torch.equal(invariant_kernels.tree_matmul(x[:m], w.t(), 8), tree[:m]), (n, k, m)
+        for world in (2, 4, 8):
+            kc = k // world
+            parts = [invariant_kernels.tree_matmul(x[:513, r * kc : (r + 1) * kc], w.t()[r * kc : (r + 1) * kc],
+                                                   8 // world) for r in range(world)]  # fmt: skip
+            assert torch.equal(tree_sum(parts), tree), (n, k, world)
     # one sequence of 300 tokens: prefilled whole / in chunks of 100 after cached context / its last 20 decoded
     args = _paged_case([300], [300], heads=32, kv_heads=8, head_dim=128, num_blocks=256)
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args

@@ -210,6 +210,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_flash_prefill_kernel",
         "_paged_prefill_kernel",
         "_invariant_matmul_kernel",
+        "_tree_matmul_kernel",
         "_invariant_attention_kernel",
         "_merge_chunks_kernel",
     }
@@ -281,6 +282,20 @@ def test_invariant_matmul_kernel_compiles(has_bias):
     for t in invariant_kernels.TILINGS:
         meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                     GROUP_M=t.group_m)  # fmt: skip
+        ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        assert "wgmma.mma_async" in ptx
+
+
+def test_tree_matmul_kernel_compiles():
+    """The "tp" level's tree product at each number of K chunks, on the tensor cores' warpgroup MMA."""
+    from tpweave.ops import invariant_kernels
+
+    fn = invariant_kernels._tree_matmul_kernel
+    types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*fp32", M="i32", N="i32", KC="i32")
+    types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+    t = invariant_kernels.TREE_TILING
+    for chunks in invariant_kernels.TREE_CHUNKS:
+        meta = dict(CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m)
         ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
         assert "wgmma.mma_async" in ptx
 

@@ -117,6 +117,22 @@ def _check_invariant_kernels() -> None:
     for tiling in (t for t in invariant_kernels.TILINGS if t.block_k == block_k):
         for rows in (slice(0, 130), slice(0, 1), slice(64, 130)):
             assert torch.equal(invariant_kernels.matmul(a[rows], w.t(), tiling=tiling), want[rows]), (tiling, rows)
+    # the "tp" level's tree product: K in 8 chunks with a short last step each (72 = 64 + 8), a row alone and columns
+    # apart from the others, and the ranks' subtrees over a row-parallel K summed in the tree's upper levels: the same
+    # bits as the whole tree at TP 2, 4 and 8
+    from tpweave.ops.collectives import tree_sum
+
+    a, w = torch.randn(70, 576, generator=gen).half(), torch.randn(576, 96, generator=gen).half()
+    whole = invariant_kernels.tree_matmul(a, w, 8)
+    assert whole.dtype == torch.float32
+    torch.testing.assert_close(whole, a.float() @ w.float(), atol=2e-2, rtol=2e-3)
+    assert torch.equal(invariant_kernels.tree_matmul(a[5:6], w, 8), whole[5:6])
+    assert torch.equal(invariant_kernels.tree_matmul(a, w[:, 40:], 8), whole[:, 40:])
+    for world in (2, 4, 8):
+        kc = 576 // world
+        parts = [invariant_kernels.tree_matmul(a[:, r * kc : (r + 1) * kc], w[r * kc : (r + 1) * kc], 8 // world)
+                 for r in range(world)]  # fmt: skip
+        assert torch.equal(tree_sum(parts), whole), world
     # paged: decodes, a chunk after cached context, a fresh sequence longer than one tile, an empty row
     for heads, kv_heads in [(8, 2), (12, 4), (4, 4)]:  # groups of 4, 3 (padded to 4), 1 (64 tokens a tile)
         q_lens, ctx_lens = [1, 20, 0, 90, 1], [70, 150, 3, 90, 1]
@@ -156,5 +172,5 @@ def _check_invariant_kernels() -> None:
 def test_invariant_kernels_in_the_interpreter():
     """The batch-invariant Triton matmul and attention (ops/invariant_kernels.py) == fp32 references, through their
     tiling and masking (K tails, tiles across tokens and GQA rows, chunks of cached context, empty sequences), and a
-    row alone == the same row among others."""
+    row alone == the same row among others; the "tp" level's tree product, its ranks' subtrees == the whole tree."""
     _run_in_interpreter("_check_invariant_kernels")

@@ -280,11 +280,14 @@ COL_TILE = 64
 
 def _tree_mm(a: Tensor, b: Tensor, chunks: int) -> Tensor:
     """a (M, K) @ b (K, N) in fp32, K in `chunks` chunks summed by tree_sum, each chunk's product over fixed
-    (ROW_TILE, K / chunks) x (K / chunks, COL_TILE) tiles."""
+    (ROW_TILE, K / chunks) x (K / chunks, COL_TILE) tiles; on CUDA in fp16 / bf16, ops/invariant_kernels.py's
+    tree_matmul (the same tree, its own tiles)."""
     m, k = a.shape
     n = b.shape[1]
     if k % chunks:
         raise ValueError(f"tree matmul: K = {k} is not a multiple of its {chunks} chunks")
+    if invariant_kernels.mm_supported(a, b) and chunks in invariant_kernels.TREE_CHUNKS:
+        return invariant_kernels.tree_matmul(a, b, chunks)
     kc = k // chunks
     padded, _ = _tiles(a.contiguous())
     pad_n = -n % COL_TILE

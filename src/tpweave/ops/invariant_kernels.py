@@ -9,6 +9,11 @@ the same way whatever M is and wherever its row sits. The launch shape (tile siz
 would let decode sizes run split-K with the same bits at every M, but the chunk boundaries stall the pipeline at
 every M: 11-24% slower at 2048 rows on one H200, and the split kernels were no faster at one row.)
 
+The "tp" level's tree product (`tree_matmul`, ops/invariant.py K_CHUNKS): the same walk over each of K's 1, 2, 4 or 8
+equal chunks into an fp32 tile of its own, the chunks' tiles summed pairwise in the program, neighbours first, and
+one launch shape at every shape: a rank's product over its chunks of a row-parallel K is the whole product's
+subtree over them.
+
 Attention, over a paged pool or a packed batch: a program owns one kv head and a tile of TOKENS consecutive new
 tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows). It walks the keys in chunks
 of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last query position. Each chunk's softmax state
@@ -78,6 +83,11 @@ MID_M_TILING = MatmulTiling(block_m=128, num_stages=4)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
 TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, MID_M_TILING, LARGE_M_TILING, LARGE_M_WIDE_TILING)
+# The "tp" level's tree product (`tree_matmul`): one launch shape at every M, N and K. At 8 chunks a program holds
+# four fp32 tiles (the tree's pending sums and the chunk's product): 8 warps, where 4 spilled hundreds of registers
+# (ptxas for sm_90a; not timed)
+TREE_TILING = MatmulTiling(num_warps=8, num_stages=3)
+TREE_CHUNKS = (1, 2, 4, 8)
 LONG_K = 8192
 NARROW_N = 4096
 WIDE_N = 8192
@@ -155,6 +165,58 @@ if triton is not None:
             acc = acc + beta * bias
         c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                            stride_cn, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_in_group
+        pid_n = (pid % per_group) // rows_in_group
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        # the sums of the last 1, 2 and 4 leaves not yet paired (collectives.tree_sum's tree, built left to right)
+        s0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        s1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        s2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (c * KC + rk[None, :]).to(tl.int64) * stride_ak
+            b_ptrs = b_ptr + (c * KC + rk[:, None]).to(tl.int64) * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, KC, BLOCK_K):
+                k_ok = rk < KC - k0
+                a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+                part = tl.dot(a, b, part)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            if c % 2 == 0:
+                s0 = part
+            else:
+                part = s0 + part
+                if c % 4 == 1:
+                    s1 = part
+                else:
+                    part = s1 + part
+                    if c % 8 == 3:
+                        s2 = part
+                    else:
+                        part = s2 + part
+        if CHUNKS == 1:
+            part = s0
+        elif CHUNKS == 2:
+            part = s1
+        elif CHUNKS == 4:
+            part = s2
+        c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -306,6 +368,29 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def tree_matmul(a: Tensor, b: Tensor, chunks: int) -> Tensor:
+    """a (M, K) @ b (K, N) in fp32 as the "tp" level's tree product (ops/invariant.py, K_CHUNKS): K in `chunks` equal
+    chunks (1, 2, 4 or 8), each chunk's product walked in BLOCK_K steps in order into an fp32 tile of its own, the
+    chunks summed pairwise, neighbours first (collectives.tree_sum). One launch shape at every M, N and K, so an
+    element's product is the same whatever the other rows and columns; a rank's product over its 8 / W chunks of a
+    row-parallel K is the subtree the whole product has over those chunks."""
+    m, k = a.shape
+    n = b.shape[1]
+    if chunks not in TREE_CHUNKS or k % chunks:
+        raise ValueError(f"tree matmul: K = {k} in {chunks} chunks (1, 2, 4 or 8, dividing K)")
+    out = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    t = TREE_TILING
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _tree_matmul_kernel[grid](
+        a, b, out, m, n, k // chunks, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
 
