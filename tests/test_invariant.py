@@ -364,6 +364,23 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
     assert torch.equal(mixed[-1:], whole[299:300])
 
 
+@pytest.mark.gpu(gpus=1)
+def test_tp_level_on_emulated_ranks_gives_tp_1s_bits_on_the_gpu():
+    """invariant="tp" on the GPU in bf16 (the Triton tree product and attention): our Llama's logits alone and packed
+    (plain, token-split and SP graphs) at TP 2 and 4, ranks emulated as processes sharing the GPU (gloo), bitwise
+    those at TP 1."""
+    import emulated_ranks
+    import workers
+
+    one = workers.tp_invariant_logits(TPContext.single("cuda"), "tp", torch.bfloat16)[0]
+    for world in (2, 4):
+        got, calls, _, _ = emulated_ranks.run(world, workers.tp_invariant_logits, "tp", torch.bfloat16,
+                                              timeout_s=300)[0]  # fmt: skip
+        assert calls == {"plain": 0, "split": 2, "sp": 1}, calls
+        for (name, want), (_, logits) in zip(one, got, strict=True):
+            assert torch.equal(logits, want), (world, name, (logits.float() - want.float()).abs().max())
+
+
 def test_an_input_that_would_run_eagerly_is_refused_not_answered():
     """Past Dynamo's recompile limit an input runs eagerly, without the invariant kernels: in invariant mode that call
     and every later one raise (naming the limit), where the default mode answers and notes it in the report."""

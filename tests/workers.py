@@ -1402,11 +1402,11 @@ def hf_invariant_logits(ctx, path, level="batch"):
     return equal, [gr.invariant for gr in report.graphs], dict(forward.calls), alones
 
 
-def tp_invariant_logits(ctx, level):
+def tp_invariant_logits(ctx, level, dtype=None):
     """Our Llama (wide) compiled with invariant=level, the token-split graph from M = 16 (at TP >= 2), the SP graph
-    from M = 64: [(what, logits)] for a sequence of 37 tokens alone, packed with sequences of 10 and 5, and packed with
-    sequences of 100, 250 and 33; and how many calls each graph variant served, and its graphs' collectives and
-    schedules."""
+    from M = 64, on ctx's device in `dtype` (default fp32): [(what, logits on the CPU)] for a sequence of 37 tokens
+    alone, packed with sequences of 10 and 5, and packed with sequences of 100, 250 and 33; and how many calls each
+    graph variant served, and its graphs' collectives and schedules."""
     import torch
 
     from tpweave import compiler
@@ -1416,14 +1416,15 @@ def tp_invariant_logits(ctx, level):
 
     torch._dynamo.reset()
     wide = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
-    model = build_model("tiny", tp=ctx, dtype=torch.float32, **wide)
+    model = build_model("tiny", tp=ctx, dtype=dtype or torch.float32, **wide)
     options = CompileOptions(invariant=level, strict=True, sp_min_tokens=64, token_split_min_tokens=16)
     compiled = compiler.compile(model, options=options)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (37, 100, 250, 33, 10, 5)]
     with torch.no_grad():
         cases = (("alone", [0]), ("packed 52", [0, 4, 5]), ("packed 420", [0, 1, 2, 3]))
-        logits = [(what, compiled(*pack([seqs[i] for i in which]).args())) for what, which in cases]
+        logits = [(what, compiled(*pack([seqs[i] for i in which], device=ctx.device).args()).cpu())
+                  for what, which in cases]  # fmt: skip
     collectives, schedules = {}, {}
     for graph in compiler.report(compiled).graphs:
         collectives.setdefault(graph.variant, []).append(dict(graph.counts_after))

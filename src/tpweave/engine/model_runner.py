@@ -185,14 +185,14 @@ class ModelRunner:
 
     # -- memory -----------------------------------------------------------------------------------
     def _invariant_kernels(self) -> bool:
-        """Whether invariant mode runs on ops/invariant_kernels.py's graph-safe Triton kernels here: level "batch"
-        (the "tp" level's tree products are the reference path), a dtype and head shapes they take."""
+        """Whether invariant mode runs on ops/invariant_kernels.py's graph-safe Triton kernels here (either level: the
+        "tp" level's products are its tree_matmul): a dtype and head shapes they take."""
         from tpweave.ops import invariant_kernels
 
         cfg = self.model.config
         q = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.ctx.device)
         kv = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.ctx.device)
-        return self.config.invariant == "batch" and invariant_kernels.attention_supported(q, kv)
+        return invariant_kernels.attention_supported(q, kv)
 
     def _blocks_from_free_memory(self, num_tokens: int, utilization: float) -> int:
         """Blocks that fit in utilization x GPU memory after weights and the peak of a warm-up step."""
