@@ -12,6 +12,7 @@ from tpweave import compiler
 from tpweave.compiler import CompileOptions
 from tpweave.models import build_model
 from tpweave.models.inputs import pack
+from tpweave.ops import fp8
 from tpweave.runtime.context import TPContext
 
 # dimensions at which torch's own fp32 CPU matmul gives a row different bits at different M
@@ -302,6 +303,16 @@ def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
     strict = compiler.compile(Batched(), options=CompileOptions(invariant="batch", strict=True))
     with pytest.raises(Exception, match="not batch-invariant"):
         strict(x, w)
+
+    class Fp8(torch.nn.Module):  # an FP8 linear (ops/fp8.py): the matmul is torch._scaled_mm inside a custom op
+        def forward(self, x, wq, ws):
+            xq, xs = fp8.quantize_rows(x)
+            return fp8.scaled_mm(xq, wq, xs, ws, None, torch.float32)
+
+    wq, ws = fp8.quantize_weight(torch.randn(16, 8), per_channel=True)
+    fp8_model = compiler.compile(Fp8(), options=CompileOptions(invariant="batch"))
+    fp8_model(torch.randn(5, 8), wq, ws)
+    assert tpweave.report(fp8_model).graphs[0].invariant["not_invariant"] == {"tpweave.scaled_mm.default": 1}
 
 
 @pytest.mark.gpu(gpus=1)

@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, same, val
 from tpweave.compiler.report import GraphReport
+from tpweave.ops import fp8 as _fp8_ops  # noqa: F401  (registers tpweave::scaled_mm)
 from tpweave.ops import invariant as _invariant_ops  # noqa: F401  (registers the invariant ops)
 from tpweave.ops.strategies.ordered import BY_LEVEL
 
@@ -58,6 +59,7 @@ NOT_INVARIANT = {
     aten.baddbmm.default,
     aten.mv.default,
     aten._scaled_mm.default,
+    tpw.scaled_mm.default,  # an FP8 model's matmul (ops/fp8.py): torch._scaled_mm, whose kernel depends on the shape
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
