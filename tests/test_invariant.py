@@ -232,6 +232,17 @@ def test_hugging_face_llama_under_its_own_tp_plan_gives_tp_1s_bits_at_tp_2(tmp_p
         assert torch.equal(got, want), (got - want).abs().max()
 
 
+def test_hugging_face_llama_prefill_chunks_and_decodes_through_its_kv_cache_give_the_same_bits(tmp_path):
+    """invariant="batch", transformers' Llama at TP 1: a prompt's logits from one prefill bitwise those of a prefill, a
+    chunk and single-token decodes through HF's KV cache. (At TP 2 under its own TP plan Dynamo cannot trace a decode
+    through the cache, on torch 2.13: "unhashable type: non-nested SymInt" in the sharded embedding; invariant mode
+    then refuses the call rather than answer it eagerly.)"""
+    import workers
+
+    for rows, equal, worst in workers.hf_invariant_cache_logits(TPContext.single(), str(tmp_path), "batch"):
+        assert equal, (rows, worst)
+
+
 def test_logits_do_not_depend_on_the_tp_degree():
     """invariant="tp": our Llama's logits for a sequence alone (M = 37) and packed (M = 52: at TP >= 2 both through the
     token-split graph, each subset's row-parallel products' fp32 subtrees all-gathered under the other subset's

@@ -1549,3 +1549,37 @@ def engine_logits(ctx, prompt_groups, config, *, pad_to=None, params=None):
     results = [engine.generate(prompts, params or SamplingParams(max_tokens=6)) for prompts in prompt_groups]
     calls = dict(getattr(forward, "calls", {}))  # the steps each compiled graph variant served
     return results, seen, dict(runner.step_stats), calls
+
+
+@torch.no_grad()
+def hf_invariant_cache_logits(ctx, path, level):
+    """A Hugging Face Llama (wide; at TP >= 2 under transformers' own TP plan), its forward compiled with
+    invariant=level and strict=True (the SP graph from M = 64): a 100-token prompt's logits from one prefill against
+    the same rows through HF's KV cache: a prefill of 50 tokens, a chunk of 40 after it, then 10 decodes.
+    [(which rows, bitwise equal, largest difference)]."""
+    import torch.distributed as dist
+    import transformers
+
+    import tpweave
+    from tpweave.compiler import CompileOptions
+
+    torch._dynamo.reset()
+    if ctx.rank == 0:
+        _save_hf_llama(path, vocab_size=256, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, max_position_embeddings=512)  # fmt: skip
+    extra = {}
+    if ctx.world_size > 1:
+        dist.barrier()
+        extra = {"distributed_config": transformers.DistributedConfig(tp_plan="auto")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+    forward = tpweave.compile(model.forward, options=CompileOptions(invariant=level, strict=True, sp_min_tokens=64))
+    ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(3))
+    whole = forward(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
+    out, cache = [], None
+    for start, end in [(0, 50), (50, 90)] + [(p, p + 1) for p in range(90, 100)]:
+        step = forward(input_ids=ids[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long),
+                       past_key_values=cache, use_cache=True)  # fmt: skip
+        cache = step.past_key_values
+        got, want = step.logits[0], whole[start:end]
+        out.append(((start, end), torch.equal(got, want), (got - want).abs().max().item()))
+    return out
