@@ -234,11 +234,20 @@ def test_decode_buckets_and_padded_graph_inputs():
         chunks, pad_to=11, rows_to=4, seqs_to=6, width_to=8
     )
     assert cu2.tolist() == [0, 3, 5, 11, 11, 11, 11] and ctx2.tolist() == [5, 2, 6, 0, 0, 0] and not fresh2
-    assert tables2.shape == (6, 8) and tables2[0].tolist() == [3, 5] + [0] * 6 and (tables2[2:] == 8).all()
+    assert tables2.shape == (6, 8) and tables2[0].tolist() == [3, 5] + [8] * 6 and (tables2[2:] == 8).all()
     assert ids2.tolist() == ids.tolist() and pos2.tolist() == pos.tolist() and slots2.tolist() == slots.tolist()
     assert rows2.tolist() == rows.tolist()
     with pytest.raises(AssertionError, match="3 sequences padded to 2"):
         runner._host_inputs(chunks, pad_to=11, seqs_to=2)
+    # block tables are kept across steps (engine/block_tables.py): one that grew, one freed and allocated anew (a new
+    # list of the same length), and a sequence seen for the first time
+    seqs[0].block_table.append(6)
+    seqs[1].block_table = [2]
+    third = Sequence([9])
+    third.block_table = [7]
+    h = staged.host()
+    runner._write_decode_inputs([ScheduledChunk(s, s.num_tokens - 1, 1) for s in (seqs[1], third, seqs[0])], h)
+    assert h["tables"][:3, :3].tolist() == [[2, 8, 8], [7, 8, 8], [3, 5, 6]] and (h["tables"][3] == 8).all()
 
 
 def test_staged_inputs_send_their_fields_in_one_buffer():

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from tpweave import compiler
 from tpweave.compiler import PLAIN_TP, CompileOptions
 from tpweave.compiler.piecewise import PiecewiseGraphs, weak_alias
+from tpweave.engine.block_tables import BlockTableRows
 from tpweave.engine.buckets import bucket_for, decode_buckets, prefill_buckets
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.sampling import request_seed, sample
@@ -92,6 +93,8 @@ class ModelRunner:
                 num_blocks = self._blocks_from_free_memory(config.max_num_batched_tokens, config.gpu_memory_utilization)
         self.num_blocks = num_blocks
         self.pad_block = num_blocks  # never handed out
+        # the running sequences' block tables (a step holds at most max_num_seqs; the rest: those that just left)
+        self._table_rows = BlockTableRows(2 * config.max_num_seqs, self.max_blocks_per_seq, self.pad_block)
         self.model.set_kv_cache((num_blocks + 1) * config.block_size)
         self.forward = self.model
         # invariant: graphs where ops/invariant_kernels.py's Triton kernels take the model (no host sync); the
@@ -233,13 +236,10 @@ class ModelRunner:
         return num_blocks
 
     # -- step inputs ------------------------------------------------------------------------------
-    def _tables(self, chunks: list[ScheduledChunk], out: np.ndarray, fill: int) -> np.ndarray:
-        """`out` (rows, width) int32 set to the block tables of the chunks' sequences, `fill` elsewhere."""
-        out.fill(fill)
-        for b, c in enumerate(chunks):
-            table = c.seq.block_table
-            out[b, : len(table)] = table
-        return out
+    def _tables(self, chunks: list[ScheduledChunk], out: np.ndarray) -> np.ndarray:
+        """`out` (rows, width) int32 set to the block tables of the chunks' sequences (rows kept across steps:
+        engine/block_tables.py), the pad block elsewhere."""
+        return self._table_rows.gather([c.seq for c in chunks], out, self.pad_block)
 
     def _inputs(self, chunks: list[ScheduledChunk], *, pad_to: int | None = None, rows_to: int | None = None) -> tuple:
         """The forward's arguments for a step of any chunks (prefill, mixed): token ids, positions, cu_seqlens,
@@ -299,8 +299,7 @@ class ModelRunner:
         owner = np.repeat(np.arange(len(lens)), lens)  # the chunk of every token row
         pending = self._pending(ids, lambda row: chunks[owner[row]].seq.seq_id)
         positions = np.arange(total, dtype=np.int64) - cu[:-1][owner] + starts[owner]
-        tables = self._tables(chunks, np.empty((len(lens), width), dtype=np.int32), 0)
-        tables[n:] = self.pad_block  # the padding rows' sequence and the empty ones
+        tables = self._tables(chunks, np.empty((len(lens), width), dtype=np.int32))  # padding rows: the pad block
         if pad:
             positions[total - pad :] %= self.model.config.max_position_embeddings
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
@@ -361,7 +360,7 @@ class ModelRunner:
         ids[n:] = 0
         ids[:n] = np.fromiter((c.seq.token_at(c.start) for c in chunks), np.int64, n)
         self._write_pending(h, self._pending(ids, lambda row: chunks[row].seq.seq_id), bucket)
-        tables = self._tables(chunks, h["tables"], self.pad_block)
+        tables = self._tables(chunks, h["tables"])
         h["slots"][:] = tables[np.arange(bucket), pos // bs].astype(np.int64) * bs + pos % bs  # pad rows: pad block
         h["ctx_lens"][:] = pos + 1
 
