@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from mixed_host_probe import host_ms  # this directory's: host time per call after a sync
 
 from tpweave.bench.stats import median
 from tpweave.bench.timing import capture
@@ -35,17 +36,6 @@ def chunks_of(engine, decodes: int, context: int, chunk: int) -> list[ScheduledC
     blocks.grow(seq, chunk)
     chunks.append(ScheduledChunk(seq, 0, chunk, samples=True))
     return chunks
-
-
-def host_ms(fn, calls: int) -> list[float]:
-    out = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    return out
 
 
 class Phases:

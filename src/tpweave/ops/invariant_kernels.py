@@ -132,10 +132,8 @@ def attention_supported(q_MHD: Tensor, k: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
-                                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """The rows and columns of C this program owns: programs of GROUP_M row tiles walk the same columns together."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -144,8 +142,14 @@ if triton is not None:
         rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
         pid_m = first_m + (pid % per_group) % rows_in_group
         pid_n = (pid % per_group) // rows_in_group
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
+    def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
+                                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
         b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
@@ -170,16 +174,7 @@ if triton is not None:
     def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                             stride_cn, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % rows_in_group
-        pid_n = (pid % per_group) // rows_in_group
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rk = tl.arange(0, BLOCK_K)
         # the sums of the last 1, 2 and 4 leaves not yet paired (collectives.tree_sum's tree, built left to right)
         s0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
