@@ -1,0 +1,96 @@
+"""Where the GPU's time goes when the engine replays its graph of a whole mixed step, against one CUDA graph of the
+plain forward of the same step (`bench engine`'s yardstick, which the whole-step graph trailed by 3.4% back to back
+in run ah): back-to-back time of the engine's call (upload + replay), of the replay alone and of the plain graph;
+then per kernel name, each graph's kernel time per call (torch.profiler) and the idle time between its kernels.
+
+    python benchmarks/probes/whole_step_gpu_probe.py [--model llama3-8b] [--num-layers 32] [--out DIR]
+"""
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from whole_step_host_probe import chunks_of  # this directory's: the step as `bench engine` builds it
+
+from tpweave.bench.stats import median
+from tpweave.bench.timing import capture, time_call
+from tpweave.engine import LLMEngine
+from tpweave.runtime.context import TPContext
+
+
+def back_to_back(fn, calls: int = 3, reps: int = 10) -> float:
+    return median([time_call(lambda: [fn() for _ in range(calls)], inner=1, on_cuda=True) / calls for _ in range(reps)])
+
+
+def kernels(fn, calls: int = 3) -> dict:
+    """Per kernel name: calls and microseconds per call of fn; and per call the time between the first kernel's start
+    and the last one's end, the sum of kernel times and of gaps (a kernel starting after the one before ended)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)  # fmt: skip
+    per = defaultdict(lambda: [0, 0.0])
+    gaps, busy = 0.0, 0.0
+    for i, e in enumerate(evs):
+        per[e.name[:90]][0] += 1
+        per[e.name[:90]][1] += e.time_range.elapsed_us()
+        busy += e.time_range.elapsed_us()
+        if i and e.time_range.start > evs[i - 1].time_range.end:
+            gap = e.time_range.start - evs[i - 1].time_range.end
+            gaps += gap if gap < 200 else 0  # not the host's sync between calls
+    return {"per_name": {k: (n / calls, us / calls) for k, (n, us) in per.items()}, "kernel_us": busy / calls,
+            "gap_us": gaps / calls}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    engine = LLMEngine(TPContext.single("cuda"), args.model, num_layers=args.num_layers, max_num_seqs=80,
+                       max_num_batched_tokens=2048, max_model_len=2100, prefill_graph_sizes=(576, 2048))  # fmt: skip
+    runner = engine.runner
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model}
+    with torch.no_grad():
+        chunks = chunks_of(engine, 64, 1024, 512)
+        bucket, run = runner.whole_step(chunks)
+        step_args = runner._inputs(chunks, pad_to=bucket)
+        plain = capture(lambda: runner.forward(*step_args), None)
+        ptr, graph = run().data_ptr(), None
+        for k, g in runner.step_graphs.items():  # the one `run` replays: its output is the one returned
+            if k[0] == bucket and runner._step_out[k].data_ptr() == ptr:
+                graph, record["key"] = g, list(k)
+        times = {}
+        for _ in range(2):  # alternating, twice
+            times.setdefault("engine_call_ms", []).append(back_to_back(run))
+            times.setdefault("replay_only_ms", []).append(back_to_back(graph.replay) if graph else None)
+            times.setdefault("plain_graph_ms", []).append(back_to_back(plain))
+        record["times"] = times
+        print(json.dumps(times), flush=True)
+        whole_k, plain_k = kernels(run), kernels(plain)
+        record["whole_step_graph"], record["plain_graph"] = whole_k, plain_k
+        names = set(whole_k["per_name"]) | set(plain_k["per_name"])
+        w, p = whole_k["per_name"], plain_k["per_name"]
+        diff = sorted(((w.get(n, (0, 0))[1] - p.get(n, (0, 0))[1], n, w.get(n), p.get(n)) for n in names), reverse=True)
+        record["diff_us"] = diff
+        print(
+            f"kernel_us whole {whole_k['kernel_us']:.0f} plain {plain_k['kernel_us']:.0f}; "
+            f"gap_us whole {whole_k['gap_us']:.0f} plain {plain_k['gap_us']:.0f}"
+        )
+        for d in diff[:12] + diff[-6:]:
+            print(f"{d[0]:+9.1f} us  {d[1]}  whole {d[2]} plain {d[3]}")
+    out = Path(args.out) / f"whole_step_gpu_probe-{args.model}-{args.num_layers}layers.json"
+    out.write_text(json.dumps(record, indent=1, default=str))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
