@@ -40,6 +40,7 @@ from tpweave.models.config import DTYPES
 from tpweave.runtime.context import TPContext
 
 REPLAYS_PER_SAMPLE = 5  # back to back between two events: a replay's launch hides behind the one before
+DECODE_ROUNDS = 4  # a decode row's engine steps and forward replays, each timed in this many rounds, interleaved
 # prefill forwards back to back per sample, as a stream of prefill steps runs (the host prepares and launches the next
 # one while the GPU runs this one); one call from an idle GPU is reported beside it (single_call_ms)
 CALLS_PER_PREFILL_SAMPLE = 3
@@ -213,29 +214,49 @@ def _decode_rows(
     rng = random.Random(0)
     for batch in sorted(settings.batches, reverse=True):
         progress("decode batch %d at context %d: engine steps", batch, settings.context)
-        prompt_len = settings.context - settings.warmup_steps - settings.steps // 2  # timed steps centered on it
-        params = SamplingParams(max_tokens=settings.warmup_steps + settings.steps + 8)
+        prompt_len = settings.context - settings.warmup_steps - (settings.steps + DECODE_ROUNDS) // 2  # centered
+        params = SamplingParams(max_tokens=settings.warmup_steps + settings.steps + DECODE_ROUNDS + 8)
         seqs = [_decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
                 for _ in range(batch)]  # fmt: skip
         for _ in range(settings.warmup_steps):
             engine.step()
-        step_ms = []
         first_context = seqs[0].num_tokens
-        t = time.perf_counter()
-        for _ in range(settings.steps):
-            engine.step()
-            now = time.perf_counter()
-            step_ms.append((now - t) * 1e3)
-            t = now
+        bucket = bucket_for(sorted(runner.graphs), batch)
+        graph = runner.graphs[bucket] if bucket is not None else None
+        # The forward alone: the decode graph that runs these steps, its inputs as the engine's last step left them,
+        # positions set to the sequences' context (values only: what a replay writes lands in these sequences' own
+        # blocks or the pad block, and the engine's next step sends all its inputs again). Timed in rounds between
+        # the steps' rounds, in an order shuffled per pair of rounds, so that the GPU's clocks under this load weigh on
+        # both alike (steps timed first and the forward after it gave the forward the cooler GPU).
+        step_ms, fwd_ms, contexts = [], [], []  # contexts: each forward round's context lengths
+
+        def time_steps(n: int) -> None:
+            engine.step()  # refills the pipeline of async scheduling after the forward's round drained it
+            t = time.perf_counter()
+            for _ in range(n):
+                engine.step()
+                now = time.perf_counter()
+                step_ms.append((now - t) * 1e3)
+                t = now
+
+        def time_forward(n: int) -> None:
+            torch.cuda.synchronize()
+            contexts.append(_rewind_graph_inputs(runner, bucket, batch, seqs[0].num_tokens))
+            for t in _event_ms(lambda: [graph.replay() for _ in range(REPLAYS_PER_SAMPLE)], reps=n, warmup=1):
+                fwd_ms.append(t / REPLAYS_PER_SAMPLE)
+
+        order = ["steps", "forward"] if graph is not None else ["steps"]
+        for r in range(DECODE_ROUNDS):
+            rng.shuffle(order)
+            for arm in order:
+                if arm == "steps":
+                    time_steps(settings.steps // DECODE_ROUNDS + (r < settings.steps % DECODE_ROUNDS))
+                else:
+                    time_forward(max(settings.replays // DECODE_ROUNDS, 1))
         timed_context = (first_context + seqs[0].num_tokens) / 2  # mean context of the timed steps
         assert all(s.finish_reason is None for s in seqs), "a sequence ended while its steps were timed"
         while engine.has_unfinished():
             engine.step()
-        # The forward alone: the decode graph that ran these steps, its inputs as the engine's last step left
-        # them (those sequences' blocks are free now: the replays write nothing another sequence reads).
-        bucket = bucket_for(sorted(runner.graphs), batch)
-        graph = runner.graphs[bucket] if bucket is not None else None
-        context_lens = _rewind_graph_inputs(runner, bucket, batch, round(timed_context)) if graph is not None else []
         row: dict[str, Any] = {
             "what": "engine_decode",
             "batch": batch,
@@ -246,12 +267,11 @@ def _decode_rows(
         }
         later.append(lambda row=row, batch=batch: row.update(_step_kernels(engine, batch, settings)))
         if graph is not None:
-            fwd_ms = _event_ms(lambda: [graph.replay() for _ in range(REPLAYS_PER_SAMPLE)], reps=settings.replays)
-            fwd_ms = [t / REPLAYS_PER_SAMPLE for t in fwd_ms]
-            roofline = (model_bytes(model) + kv_bytes(model, context_lens)) / hbm * 1e3
+            kv = float(np.mean([kv_bytes(model, lens) for lens in contexts]))
+            roofline = (model_bytes(model) + kv) / hbm * 1e3
             row |= {
                 "graph_bucket": bucket,
-                "forward_context": round(float(np.mean(context_lens))),
+                "forward_context": round(float(np.mean(contexts))),
                 "forward_ms": median(fwd_ms),
                 "forward_ms_samples": fwd_ms,
                 "step_over_forward": median(step_ms) / median(fwd_ms),
@@ -297,14 +317,15 @@ def _peak_bytes(fn) -> int:
 
 
 def _step_timings(
-    runner, args: tuple, *, calls: int, reps: int, sample=None, whole=None
+    runner, args: tuple, *, calls: int, reps: int, rng: random.Random, sample=None, whole=None
 ) -> tuple[dict[str, Any], list, Any]:
     """One step's forward (args: `runner._inputs` of the step, padded as the engine pads it), interleaved per
     repetition: as the engine runs it (`whole`, from runner.whole_step: its inputs copied into its graph of the whole
     step and that graph replayed; else its piecewise graphs replayed; back to back and one call from an idle GPU),
     the whole forward in one CUDA graph replayed back to back, and the compiled forward without graphs (one call).
-    `sample()` runs once per repetition (the matmul rate between samples). (row fields, sample()'s results, a callable
-    giving the kernel fields: torch.profiler, to run after every timing of the run)"""
+    The arms' order is shuffled per repetition (`rng`). `sample()` runs once per repetition (the matmul rate between
+    samples). (row fields, sample()'s results, a callable giving the kernel fields: torch.profiler, to run after every
+    timing of the run)"""
 
     def eager():
         return runner.forward(*args)
@@ -325,15 +346,20 @@ def _step_timings(
     def back_to_back(fn) -> float:
         return time_call(lambda: [fn() for _ in range(calls)], inner=1, on_cuda=True) / calls
 
-    out: dict[str, list[float]] = {
-        k: [] for k in ("forward_ms", "single_call_ms", "graph_forward_ms", "eager_single_ms")
+    arms = {
+        "graph_forward_ms": lambda: back_to_back(graph_replay),
+        "forward_ms": lambda: back_to_back(engine_path),
+        "single_call_ms": lambda: time_call(engine_path, inner=1, on_cuda=True),
+        "eager_single_ms": lambda: time_call(eager, inner=1, on_cuda=True),
     }
-    samples = []
+    out: dict[str, list[float]] = {k: [] for k in arms}
+    samples, order = [], list(arms)
     for _ in range(reps):
-        out["graph_forward_ms"].append(back_to_back(graph_replay))
-        out["forward_ms"].append(back_to_back(engine_path))
-        out["single_call_ms"].append(time_call(engine_path, inner=1, on_cuda=True))
-        out["eager_single_ms"].append(time_call(eager, inner=1, on_cuda=True))
+        # a new order per repetition: a measurement right after a slow eager call (the GPU idle between its kernels)
+        # ran at higher clocks than one after back-to-back replays, and a fixed order gave one arm that edge each time
+        rng.shuffle(order)
+        for name in order:
+            out[name].append(arms[name]())
         if sample is not None:
             samples.append(sample())
     row: dict[str, Any] = {key: median(values) for key, values in out.items()}
@@ -391,8 +417,8 @@ def _prefill_rows(ctx, engine: LLMEngine, settings: EngineBenchSettings, cold: l
         # lowers its clocks (an H200 measured 628-697 TFLOP/s here against 793 from cold)
         with torch.no_grad():  # as the engine runs it (grad mode is part of the compiled graph's guards)
             timing, peaks, kernels = _step_timings(
-                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5), sample=matmul.rate,
-                whole=whole and whole[1],
+                runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5),
+                rng=random.Random(num_tokens), sample=matmul.rate, whole=whole and whole[1],
             )  # fmt: skip
         engine.scheduler.blocks.free(seq)
         step_ms = []
@@ -453,7 +479,7 @@ def _mixed_rows(engine: LLMEngine, settings: EngineBenchSettings, later: list) -
         with torch.no_grad():
             timing, _, kernels = _step_timings(
                 runner, args, calls=CALLS_PER_PREFILL_SAMPLE, reps=max(settings.replays // 5, 5),
-                whole=whole and whole[1],
+                rng=random.Random(num_tokens), whole=whole and whole[1],
             )  # fmt: skip
         for c in chunks:
             engine.scheduler.blocks.free(c.seq)
