@@ -224,10 +224,11 @@ def _decode_rows(
         bucket = bucket_for(sorted(runner.graphs), batch)
         graph = runner.graphs[bucket] if bucket is not None else None
         # The forward alone: the decode graph that runs these steps, its inputs as the engine's last step left them,
-        # positions set to the sequences' context (values only: what a replay writes lands in these sequences' own
-        # blocks or the pad block, and the engine's next step sends all its inputs again). Timed in rounds between
-        # the steps' rounds, in an order shuffled per pair of rounds, so that the GPU's clocks under this load weigh on
-        # both alike (steps timed first and the forward after it gave the forward the cooler GPU).
+        # positions set to a context (values only: what a replay writes lands in these sequences' own blocks or the
+        # pad block, and the engine's next step sends all its inputs again). Timed in rounds between the steps'
+        # rounds, in an order shuffled per round, each forward at the middle context of its round's steps: a step's
+        # cost grows with its context, in jumps (llama3-8b at batch 256 on one H200: steps of 14.8 ms up to context
+        # ~1024, 15.3 ms after it), and the steps' clocks under this load must be the forward's too.
         step_ms, fwd_ms, contexts = [], [], []  # contexts: each forward round's context lengths
 
         def time_steps(n: int) -> None:
@@ -239,20 +240,22 @@ def _decode_rows(
                 step_ms.append((now - t) * 1e3)
                 t = now
 
-        def time_forward(n: int) -> None:
+        def time_forward(n: int, context: int) -> None:
             torch.cuda.synchronize()
-            contexts.append(_rewind_graph_inputs(runner, bucket, batch, seqs[0].num_tokens))
+            contexts.append(_rewind_graph_inputs(runner, bucket, batch, context))
             for t in _event_ms(lambda: [graph.replay() for _ in range(REPLAYS_PER_SAMPLE)], reps=n, warmup=1):
                 fwd_ms.append(t / REPLAYS_PER_SAMPLE)
 
         order = ["steps", "forward"] if graph is not None else ["steps"]
         for r in range(DECODE_ROUNDS):
             rng.shuffle(order)
+            n = settings.steps // DECODE_ROUNDS + (r < settings.steps % DECODE_ROUNDS)
+            middle = seqs[0].num_tokens + 1 + (n + 1) // 2  # of the n timed steps after the untimed one
             for arm in order:
                 if arm == "steps":
-                    time_steps(settings.steps // DECODE_ROUNDS + (r < settings.steps % DECODE_ROUNDS))
+                    time_steps(n)
                 else:
-                    time_forward(max(settings.replays // DECODE_ROUNDS, 1))
+                    time_forward(max(settings.replays // DECODE_ROUNDS, 1), middle)
         timed_context = (first_context + seqs[0].num_tokens) / 2  # mean context of the timed steps
         assert all(s.finish_reason is None for s in seqs), "a sequence ended while its steps were timed"
         while engine.has_unfinished():
