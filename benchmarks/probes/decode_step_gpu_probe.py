@@ -1,0 +1,51 @@
+"""What a decode step runs on the GPU beyond its graph's forward: per kernel and copy name, the time per engine step
+(torch.profiler over steps of `--batch` sequences at context `--context`, async scheduling as `bench engine` runs it)
+against the decode graph's replay alone, and the idle time between them.
+
+    python benchmarks/probes/decode_step_gpu_probe.py [--model llama3-8b] [--batch 256] [--out DIR]
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from whole_step_gpu_probe import kernels  # this directory's: per kernel name, time per call
+
+from tpweave.bench.engine import _decoding
+from tpweave.engine import LLMEngine, SamplingParams
+from tpweave.engine.buckets import bucket_for
+from tpweave.runtime.context import TPContext
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    engine = LLMEngine(TPContext.single("cuda"), args.model, max_num_seqs=args.batch, max_num_batched_tokens=2048,
+                       max_model_len=args.context + 64, piecewise_graphs=False)  # fmt: skip
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=40)
+    for _ in range(args.batch):
+        _decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(args.context)], params)
+    for _ in range(4):
+        engine.step()
+    graph = engine.runner.graphs[bucket_for(sorted(engine.runner.graphs), args.batch)]
+    step, replay = kernels(engine.step, calls=4), kernels(graph.replay, calls=4)
+    names = set(step["per_name"]) | set(replay["per_name"])
+    s, r = step["per_name"], replay["per_name"]
+    diff = sorted(((s.get(n, (0, 0))[1] - r.get(n, (0, 0))[1], n, s.get(n), r.get(n)) for n in names), reverse=True)
+    print(f"kernel_us step {step['kernel_us']:.0f} replay {replay['kernel_us']:.0f}; "
+          f"gap_us step {step['gap_us']:.0f} replay {replay['gap_us']:.0f}")  # fmt: skip
+    for d in diff[:10] + diff[-4:]:
+        print(f"{d[0]:+9.1f} us  {d[1]}  step {d[2]} replay {d[3]}")
+    out = Path(args.out) / f"decode_step_gpu_probe-{args.model}-b{args.batch}.json"
+    out.write_text(json.dumps({"step": step, "replay": replay, "diff_us": diff}, indent=1, default=str))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
