@@ -133,24 +133,78 @@ class EmulatedSymmetricMemory:
         symm_buffers.reserve = self.reserve
 
 
-def _emulated_rank(ctx, fn, args, timeout_s):
+def collectives_through_the_host(dispatch_key: str = "CUDA") -> torch.library.Library:
+    """The functional collectives' CUDA kernels (what compiled graphs and tpweave's ops call) replaced by: a copy to
+    the host, gloo's collective there, a copy back. gloo takes few collectives of CUDA tensors (an all-gather of them
+    killed the rank with SIGSEGV); eager calls only, a CUDA graph cannot capture these. Kept while the Library
+    object lives."""
+    from torch.distributed.distributed_c10d import _resolve_process_group as group_of
+
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+    def all_reduce_(x, op, group_name):
+        host = x.cpu()
+        dist.all_reduce(host, op=ops[op.lower()], group=group_of(group_name))
+        return x.copy_(host)
+
+    def all_reduce(x, op, group_name):
+        return all_reduce_(x.clone(), op, group_name)
+
+    def all_gather_into_tensor(x, world_size, group_name):
+        out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x.contiguous().cpu(), group=group_of(group_name))
+        return out.to(x.device)
+
+    def reduce_scatter_tensor(x, op, world_size, group_name):
+        host = x.contiguous().cpu()
+        dist.all_reduce(host, op=ops[op.lower()], group=group_of(group_name))
+        rows = x.shape[0] // world_size
+        rank = dist.get_rank(group_of(group_name))
+        return host[rank * rows : (rank + 1) * rows].to(x.device)
+
+    def all_to_all_single(x, output_split_sizes, input_split_sizes, group_name):
+        out = torch.empty((sum(output_split_sizes), *x.shape[1:]), dtype=x.dtype)
+        dist.all_to_all_single(out, x.contiguous().cpu(), output_split_sizes, input_split_sizes,
+                               group=group_of(group_name))  # fmt: skip
+        return out.to(x.device)
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    for fn in (all_reduce_, all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single):
+        lib.impl(fn.__name__, fn, dispatch_key)
+    return lib
+
+
+def _emulated_rank(ctx, fn, args, timeout_s, host_collectives):
     faulthandler.enable()  # a crashing rank shows where
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 10))  # where a deadlocked rank waits, before launch kills it
     torch.cuda.set_device(0)
     EmulatedSymmetricMemory(ctx.rank, ctx.world_size).install()
+    staged = collectives_through_the_host() if host_collectives else None
     # the rank's TPContext (gloo group: host rendezvous and any plain collective) on the one GPU
-    return fn(dataclasses.replace(ctx, device=torch.device("cuda", 0)), *args)
+    out = fn(dataclasses.replace(ctx, device=torch.device("cuda", 0)), *args)
+    del staged
+    return out
 
 
-def run(world_size: int, fn, *args, timeout_s: float = 600, collective_timeout_s: float = 120):
+def run(
+    world_size: int,
+    fn,
+    *args,
+    timeout_s: float = 600,
+    collective_timeout_s: float = 120,
+    host_collectives: bool = False,
+):
     """[fn(ctx, *args) for every emulated rank] (ctx.device: the one GPU); a rank's error or a timeout
     (a deadlocked protocol) raises, as in tpweave.launch. collective_timeout_s: the gloo group's
-    timeout, which is also how long the kernels wait for a peer's signal."""
+    timeout, which is also how long the kernels wait for a peer's signal. host_collectives: the functional
+    collectives run through the host (`collectives_through_the_host`), for models whose collectives are plain ones,
+    run without CUDA graphs."""
     return tpweave.launch(
         _emulated_rank,
         fn,
         args,
         timeout_s,
+        host_collectives,
         nprocs=world_size,
         backend="gloo",
         timeout_s=timeout_s,

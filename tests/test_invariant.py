@@ -389,15 +389,15 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
 @pytest.mark.gpu(gpus=1)
 def test_tp_level_on_emulated_ranks_gives_tp_1s_bits_on_the_gpu():
     """invariant="tp" on the GPU in bf16 (the Triton tree product and attention): our Llama's logits alone and packed
-    (plain, token-split and SP graphs) at TP 2 and 4, ranks emulated as processes sharing the GPU (gloo), bitwise
-    those at TP 1."""
+    (plain, token-split and SP graphs) at TP 2 and 4, ranks emulated as processes sharing the GPU (gloo, the
+    collectives through the host), bitwise those at TP 1."""
     import emulated_ranks
     import workers
 
     one = workers.tp_invariant_logits(TPContext.single("cuda"), "tp", torch.bfloat16)[0]
     for world in (2, 4):
         got, calls, _, _ = emulated_ranks.run(world, workers.tp_invariant_logits, "tp", torch.bfloat16,
-                                              timeout_s=300)[0]  # fmt: skip
+                                              timeout_s=300, host_collectives=True)[0]  # fmt: skip
         assert calls == {"plain": 0, "split": 2, "sp": 1}, calls
         for (name, want), (_, logits) in zip(one, got, strict=True):
             assert torch.equal(logits, want), (world, name, (logits.float() - want.float()).abs().max())
