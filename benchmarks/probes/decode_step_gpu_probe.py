@@ -1,6 +1,7 @@
 """What a decode step runs on the GPU beyond its graph's forward: per kernel and copy name, the time per engine step
 (torch.profiler over steps of `--batch` sequences at context `--context`, async scheduling as `bench engine` runs it)
-against the decode graph's replay alone, and the idle time between them.
+against the decode graph's replay alone, and the idle time between them: each call on its own, then calls back to
+back with the longest gaps between kernels and what they sit between.
 
     python benchmarks/probes/decode_step_gpu_probe.py [--model llama3-8b] [--batch 256] [--out DIR]
 """
@@ -28,13 +29,19 @@ def main() -> None:
     engine = LLMEngine(TPContext.single("cuda"), args.model, max_num_seqs=args.batch, max_num_batched_tokens=2048,
                        max_model_len=args.context + 64, piecewise_graphs=False)  # fmt: skip
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=40)
+    params = SamplingParams(max_tokens=40)  # 4 + 4 + 12 steps timed
     for _ in range(args.batch):
         _decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(args.context)], params)
     for _ in range(4):
         engine.step()
     graph = engine.runner.graphs[bucket_for(sorted(engine.runner.graphs), args.batch)]
     step, replay = kernels(engine.step, calls=4), kernels(graph.replay, calls=4)
+    # as `bench engine` times them: steps back to back (async scheduling keeps one in flight), replays back to back
+    stream, replays = kernels(engine.step, calls=12, sync_each=False), kernels(graph.replay, calls=12, sync_each=False)
+    for name, k in (("steps back to back", stream), ("replays back to back", replays)):
+        print(f"{name}: kernel_us {k['kernel_us']:.0f} gap_us {k['gap_us']:.0f} per call; longest gaps:")
+        for gap in k["longest_gaps"]:
+            print(f"   {gap[0]:7.1f} us  after {gap[1]}  before {gap[2]}")
     names = set(step["per_name"]) | set(replay["per_name"])
     s, r = step["per_name"], replay["per_name"]
     diff = sorted(((s.get(n, (0, 0))[1] - r.get(n, (0, 0))[1], n, s.get(n), r.get(n)) for n in names), reverse=True)
@@ -43,7 +50,9 @@ def main() -> None:
     for d in diff[:10] + diff[-4:]:
         print(f"{d[0]:+9.1f} us  {d[1]}  step {d[2]} replay {d[3]}")
     out = Path(args.out) / f"decode_step_gpu_probe-{args.model}-b{args.batch}.json"
-    out.write_text(json.dumps({"step": step, "replay": replay, "diff_us": diff}, indent=1, default=str))
+    record = {"step": step, "replay": replay, "diff_us": diff, "steps_back_to_back": stream,
+              "replays_back_to_back": replays}  # fmt: skip
+    out.write_text(json.dumps(record, indent=1, default=str))
     print("wrote", out)
 
 

@@ -24,29 +24,35 @@ def back_to_back(fn, calls: int = 3, reps: int = 10) -> float:
     return median([time_call(lambda: [fn() for _ in range(calls)], inner=1, on_cuda=True) / calls for _ in range(reps)])
 
 
-def kernels(fn, calls: int = 3) -> dict:
-    """Per kernel name: calls and microseconds per call of fn; and per call the time between the first kernel's start
-    and the last one's end, the sum of kernel times and of gaps (a kernel starting after the one before ended)."""
+def kernels(fn, calls: int = 3, *, sync_each: bool = True) -> dict:
+    """Per kernel name: calls and microseconds per call of fn; per call the sum of kernel times and of gaps (a kernel
+    starting after the one before ended; gaps of 200 us or more, the host's sync between calls, left out); and the 8
+    longest gaps with the kernels around them. sync_each=False: calls back to back, as a stream of engine steps runs
+    (their boundaries' gaps then show)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-            torch.cuda.synchronize()
+            if sync_each:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
     evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)  # fmt: skip
     per = defaultdict(lambda: [0, 0.0])
-    gaps, busy = 0.0, 0.0
+    gaps, busy, around = 0.0, 0.0, []
     for i, e in enumerate(evs):
         per[e.name[:90]][0] += 1
         per[e.name[:90]][1] += e.time_range.elapsed_us()
         busy += e.time_range.elapsed_us()
         if i and e.time_range.start > evs[i - 1].time_range.end:
             gap = e.time_range.start - evs[i - 1].time_range.end
-            gaps += gap if gap < 200 else 0  # not the host's sync between calls
+            if gap < 200:
+                gaps += gap
+                around.append((gap, evs[i - 1].name[:60], e.name[:60]))
     return {"per_name": {k: (n / calls, us / calls) for k, (n, us) in per.items()}, "kernel_us": busy / calls,
-            "gap_us": gaps / calls}  # fmt: skip
+            "gap_us": gaps / calls, "longest_gaps": sorted(around, reverse=True)[:8]}  # fmt: skip
 
 
 def main() -> None:
