@@ -213,6 +213,8 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_tree_matmul_kernel",
         "_invariant_attention_kernel",
         "_merge_chunks_kernel",
+        "_argmax_slices_kernel",
+        "_argmax_rows_kernel",
     }
     found = set()
     for info in pkgutil.walk_packages(tpweave.__path__, "tpweave."):
@@ -324,3 +326,19 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
         assert "wgmma.mma_async" in ptx
     fn = ik._merge_chunks_kernel
     assert "ld.global" in compile_for_gpu(fn, types_of(fn), meta, num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_argmax_kernels_compile(dtype, direct):
+    """Greedy sampling's argmax: the slices' kernel (writing the winner or the slice's candidate) and the rows' one."""
+    from tpweave.ops import argmax
+
+    fn = argmax._argmax_slices_kernel
+    types = dict(x_ptr=f"*{dtype}", stride_row="i32", num_cols="i32", cols_per_slice="i32", num_slices="i32")
+    types |= dict(val_ptr="*i64" if direct else "*fp32", idx_ptr="*i64" if direct else "*i32", out_ptr="*i64")
+    ptx = compile_for_gpu(fn, types, dict(BLOCK=argmax.BLOCK, NONE=argmax._NONE, DIRECT=direct), num_warps=8)
+    assert "ld.global" in ptx
+    fn = argmax._argmax_rows_kernel
+    types = dict(val_ptr="*fp32", idx_ptr="*i32", out_ptr="*i64", num_slices="i32")
+    compile_for_gpu(fn, types, dict(SLICES=argmax.MAX_SLICES, NONE=argmax._NONE), num_warps=4)

@@ -174,3 +174,41 @@ def test_invariant_kernels_in_the_interpreter():
     tiling and masking (K tails, tiles across tokens and GQA rows, chunks of cached context, empty sequences), and a
     row alone == the same row among others; the "tp" level's tree product, its ranks' subtrees == the whole tree."""
     _run_in_interpreter("_check_invariant_kernels")
+
+
+def _check_argmax() -> None:
+    import torch
+
+    from tpweave.ops import argmax
+
+    g = torch.Generator().manual_seed(0)
+    argmax.supported = lambda logits: True  # the interpreter runs the kernels on CPU tensors
+    argmax._sms = lambda device: 132
+    checked = 0
+    for rows, cols in [(1, 1), (1, 7), (3, 5000), (2, 20000), (1, 70000), (64, 4099), (300, 2100)]:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.randn(rows, cols + 3, generator=g).to(dtype)[:, :cols]  # rows strided past their columns
+            x[0, cols // 2] = x[0, -1] = 100  # a tie: the first wins
+            if rows > 1:
+                x[1] = float("-inf")  # every column -inf: 0
+            if rows > 2:
+                x[2, cols // 3] = x[2, cols - 1] = float("nan")  # a NaN is the maximum, the first one wins
+                x[2, 0] = float("inf")
+            if rows > 63:
+                x[63, :] = 1.0  # all equal: 0
+            out = torch.full((rows,), -1, dtype=torch.int64)
+            got = argmax.argmax_rows(x, out=out)
+            assert got is out and torch.equal(got, torch.argmax(x, -1)), (rows, cols, dtype, got, torch.argmax(x, -1))
+            checked += 1
+    assert checked == 21
+    for rows, cols, sms in [(1, 128256, 132), (256, 128256, 132), (64, 32000, 132), (1000, 50, 8)]:
+        slices, per_slice = argmax.slice_plan(rows, cols, sms)
+        assert 1 <= slices <= argmax.MAX_SLICES and (slices - 1) * per_slice < cols <= slices * per_slice
+        assert slices == 1 or per_slice >= argmax.BLOCK
+
+
+def test_argmax_kernels_give_torch_argmax():
+    """Greedy sampling's argmax (ops/argmax.py) in the interpreter: torch.argmax's index for rows of 1 to 70000
+    columns split into 1 to 64 slices, ties (the first wins), NaN (the first NaN wins), rows of -inf, in bf16, fp16
+    and fp32, rows strided past their columns."""
+    _run_in_interpreter("_check_argmax")

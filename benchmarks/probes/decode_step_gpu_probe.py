@@ -11,11 +11,14 @@ import json
 import random
 from pathlib import Path
 
+import torch
 from whole_step_gpu_probe import kernels  # this directory's: per kernel name, time per call
 
-from tpweave.bench.engine import _decoding
+from tpweave.bench.engine import _decoding, _event_ms
+from tpweave.bench.stats import median
 from tpweave.engine import LLMEngine, SamplingParams
 from tpweave.engine.buckets import bucket_for
+from tpweave.ops.argmax import argmax_rows
 from tpweave.runtime.context import TPContext
 
 
@@ -49,8 +52,16 @@ def main() -> None:
           f"gap_us step {step['gap_us']:.0f} replay {replay['gap_us']:.0f}")  # fmt: skip
     for d in diff[:10] + diff[-4:]:
         print(f"{d[0]:+9.1f} us  {d[1]}  step {d[2]} replay {d[3]}")
+    # greedy sampling's argmax at this vocabulary: torch's reduction against ops/argmax.py (CUDA events, 50 calls)
+    record_argmax = {}
+    for rows in (1, 64, args.batch):
+        x = torch.randn(rows, engine.vocab_size, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, dtype=torch.int64, device="cuda")
+        for name, fn in (("torch", lambda: torch.argmax(x, -1, out=out)), ("tpweave", lambda: argmax_rows(x, out=out))):
+            record_argmax[f"{name} b{rows}"] = median(_event_ms(fn, reps=50))
+    print("argmax ms", json.dumps(record_argmax))
     out = Path(args.out) / f"decode_step_gpu_probe-{args.model}-b{args.batch}.json"
-    record = {"step": step, "replay": replay, "diff_us": diff, "steps_back_to_back": stream,
+    record = {"argmax_ms": record_argmax, "step": step, "replay": replay, "diff_us": diff, "steps_back_to_back": stream,
               "replays_back_to_back": replays}  # fmt: skip
     out.write_text(json.dumps(record, indent=1, default=str))
     print("wrote", out)
