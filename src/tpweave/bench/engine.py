@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tpweave.bench.kernels import categorize
-from tpweave.bench.stats import median
+from tpweave.bench.stats import median, paired_ratio
 from tpweave.bench.timing import capture, time_call
 from tpweave.engine import LLMEngine, SamplingParams
 from tpweave.engine.buckets import bucket_for
@@ -57,7 +57,8 @@ BF16_DENSE_FLOPS = {
 @dataclass(frozen=True, kw_only=True)
 class EngineBenchSettings:
     """Shapes and repetitions: decode batches at `context` tokens, prefill token counts, `steps` timed engine
-    steps per batch (after `warmup_steps`), `replays` timed forward replays."""
+    steps per batch (after `warmup_steps`; the decode forward gets as many samples, interleaved with them),
+    `replays` // 5 repetitions of a prefill or mixed step's arms."""
 
     batches: tuple[int, ...] = (1, 64, 256)
     context: int = 1024
@@ -247,15 +248,17 @@ def _decode_rows(
                 fwd_ms.append(t / REPLAYS_PER_SAMPLE)
 
         order = ["steps", "forward"] if graph is not None else ["steps"]
+        rounds = []  # each step sample's round
         for r in range(DECODE_ROUNDS):
             rng.shuffle(order)
             n = settings.steps // DECODE_ROUNDS + (r < settings.steps % DECODE_ROUNDS)
+            rounds += [r] * n
             middle = seqs[0].num_tokens + 1 + (n + 1) // 2  # of the n timed steps after the untimed one
             for arm in order:
                 if arm == "steps":
                     time_steps(n)
                 else:
-                    time_forward(max(settings.replays // DECODE_ROUNDS, 1), middle)
+                    time_forward(n, middle)  # as many samples as the round's steps: paired by round below
         timed_context = (first_context + seqs[0].num_tokens) / 2  # mean context of the timed steps
         assert all(s.finish_reason is None for s in seqs), "a sequence ended while its steps were timed"
         while engine.has_unfinished():
@@ -278,6 +281,8 @@ def _decode_rows(
                 "forward_ms": median(fwd_ms),
                 "forward_ms_samples": fwd_ms,
                 "step_over_forward": median(step_ms) / median(fwd_ms),
+                # its 95% interval: a bootstrap over the rounds, then the samples within each
+                "step_over_forward_ci": _interval(step_ms, fwd_ms, rounds),
                 "roofline_ms": roofline,
                 "of_roofline": roofline / median(fwd_ms),
             }
@@ -306,6 +311,13 @@ def _step_kernels(engine: LLMEngine, batch: int, settings: EngineBenchSettings) 
     while engine.has_unfinished():
         engine.step()
     return {"kernels_per_step": kernels, "copies_per_step": copies}
+
+
+def _interval(base_ms: list[float], arm_ms: list[float], groups: list[int] | None = None) -> dict[str, float]:
+    """The 95% interval of median(base) / median(arm), samples paired by index (bench/stats.py paired_ratio; with
+    `groups`, each sample's round: rounds resampled, then samples within them)."""
+    r = paired_ratio(base_ms, arm_ms, groups=groups)
+    return {"lo": r.lo, "hi": r.hi}
 
 
 def _peak_bytes(fn) -> int:
@@ -368,6 +380,7 @@ def _step_timings(
     row: dict[str, Any] = {key: median(values) for key, values in out.items()}
     row |= {f"{key}_samples": values for key, values in out.items()}
     row["single_over_graph"] = row["single_call_ms"] / row["graph_forward_ms"]
+    row["single_over_graph_ci"] = _interval(out["single_call_ms"], out["graph_forward_ms"])  # paired by repetition
     row["forward_over_graph"] = row["forward_ms"] / row["graph_forward_ms"]
     row["peak_bytes_eager"] = _peak_bytes(eager)
     row["peak_bytes_engine"] = _peak_bytes(engine_path)
