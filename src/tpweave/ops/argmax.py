@@ -50,13 +50,16 @@ def _sms(device: torch.device) -> int:
 
 
 def slice_plan(rows: int, cols: int, num_sms: int) -> tuple[int, int]:
-    """(slices per row, columns per slice) from shapes only: slices a power of 2 up to MAX_SLICES, enough for
-    PROGRAMS_PER_SM programs per SM, none shorter than BLOCK columns; every slice holds at least one column."""
+    """(slices per row, columns per slice) from shapes only: up to MAX_SLICES, enough for PROGRAMS_PER_SM programs
+    per SM, none shorter than BLOCK columns; a slice a whole number of BLOCKs where a row has several (each program's
+    loads then start aligned, and vectorize), every slice holding at least one column."""
     want = max(1, -(-PROGRAMS_PER_SM * num_sms // max(rows, 1)))
     slices = 1
     while slices < min(want, MAX_SLICES) and cols >= 2 * slices * BLOCK:
         slices *= 2
-    per_slice = -(-cols // slices)
+    if slices == 1:
+        return 1, cols
+    per_slice = -(-cols // (slices * BLOCK)) * BLOCK
     return -(-cols // per_slice), per_slice
 
 
