@@ -1,6 +1,6 @@
 """Where the GPU's time goes when the engine replays its graph of a whole mixed step, against one CUDA graph of the
 plain forward of the same step (`bench engine`'s yardstick, which the whole-step graph trailed by 3.4% back to back
-in run ah): back-to-back time of the engine's call (upload + replay), of the replay alone and of the plain graph;
+in run ah): back-to-back time of the engine's call (upload + replay) and of the plain graph;
 then per kernel name, each graph's kernel time per call (torch.profiler) and the idle time between its kernels.
 
     python benchmarks/probes/whole_step_gpu_probe.py [--model llama3-8b] [--num-layers 32] [--out DIR]
@@ -12,12 +12,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from whole_step_host_probe import chunks_of  # this directory's: the step as `bench engine` builds it
+from whole_step_host_probe import chunks_of, whole_step_engine  # this directory's
 
 from tpweave.bench.stats import median
 from tpweave.bench.timing import capture, time_call
-from tpweave.engine import LLMEngine
-from tpweave.runtime.context import TPContext
 
 
 def back_to_back(fn, calls: int = 3, reps: int = 10) -> float:
@@ -61,8 +59,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=32)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    engine = LLMEngine(TPContext.single("cuda"), args.model, num_layers=args.num_layers, max_num_seqs=80,
-                       max_num_batched_tokens=2048, max_model_len=2100, prefill_graph_sizes=(576, 2048))  # fmt: skip
+    engine = whole_step_engine(args.model, args.num_layers)
     runner = engine.runner
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model}
     with torch.no_grad():
@@ -70,14 +67,9 @@ def main() -> None:
         bucket, run = runner.whole_step(chunks)
         step_args = runner._inputs(chunks, pad_to=bucket)
         plain = capture(lambda: runner.forward(*step_args), None)
-        ptr, graph = run().data_ptr(), None
-        for k, g in runner.step_graphs.items():  # the one `run` replays: its output is the one returned
-            if k[0] == bucket and runner._step_out[k].data_ptr() == ptr:
-                graph, record["key"] = g, list(k)
         times = {}
         for _ in range(2):  # alternating, twice
             times.setdefault("engine_call_ms", []).append(back_to_back(run))
-            times.setdefault("replay_only_ms", []).append(back_to_back(graph.replay) if graph else None)
             times.setdefault("plain_graph_ms", []).append(back_to_back(plain))
         record["times"] = times
         print(json.dumps(times), flush=True)

@@ -38,6 +38,12 @@ def chunks_of(engine, decodes: int, context: int, chunk: int) -> list[ScheduledC
     return chunks
 
 
+def whole_step_engine(model: str, num_layers: int) -> LLMEngine:
+    """An engine on the GPU with graphs of whole steps for the two steps timed here (576 and 2048 tokens)."""
+    return LLMEngine(TPContext.single("cuda"), model, num_layers=num_layers, max_num_seqs=80,
+                     max_num_batched_tokens=2048, max_model_len=2100, prefill_graph_sizes=(576, 2048))  # fmt: skip
+
+
 class Phases:
     """Host time of the named methods of some objects, per call (wrapped in place while `on`)."""
 
@@ -74,8 +80,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    engine = LLMEngine(TPContext.single("cuda"), args.model, num_layers=args.num_layers, max_num_seqs=80,
-                       max_num_batched_tokens=2048, max_model_len=2100, prefill_graph_sizes=(576, 2048))  # fmt: skip
+    engine = whole_step_engine(args.model, args.num_layers)
     runner = engine.runner
     phases = Phases()
     staged = runner._step_staged
