@@ -49,7 +49,6 @@ from tpweave.engine.sequence import PENDING
 from tpweave.engine.staging import StagedInputs
 from tpweave.log import progress
 from tpweave.models import build_model
-from tpweave.ops.argmax import argmax_rows
 from tpweave.runtime.context import TPContext
 
 # sequence counts a whole-step graph is captured for (then max_num_seqs + 1): x2 apart, so that a step's empty
@@ -594,9 +593,9 @@ class ModelRunner:
             if self._prev_tokens is not None:
                 tokens = self._prev_tokens[: len(params)].copy_(tokens)
         elif self._prev_tokens is not None:
-            tokens = argmax_rows(picked, out=self._prev_tokens[: len(params)])
+            tokens = torch.argmax(picked, -1, out=self._prev_tokens[: len(params)])
         else:
-            tokens = argmax_rows(picked)
+            tokens = picked.argmax(-1)
         seq_ids = [c.seq.seq_id for _, c in sampling]
         self._last_rows = {sid: i for i, sid in enumerate(seq_ids)}
         if not self.on_cuda:

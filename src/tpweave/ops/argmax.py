@@ -6,7 +6,8 @@ torch's reduction took 0.048 ms of a llama3-8b decode step at batch 256 on one H
 a kernel beside the step's graph that the graph-replayed forward does not run. Here a row is cut into slices of
 columns so that rows x slices fill every SM a few times over at any batch; a program keeps, per lane, the first
 column holding the lane's largest value, then takes its slice's winner across lanes; a second launch picks each row's
-winner among its slices in column order (none when a row is one slice).
+winner among its slices in column order (none when a row is one slice). The engine samples with torch's argmax
+until this one is measured faster on a GPU (benchmarks/probes/decode_step_gpu_probe.py times both).
 """
 
 from __future__ import annotations
