@@ -308,21 +308,26 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     """The invariant attention, one program per tile and one per key chunk (both on wgmma), and the chunks' merge."""
     from tpweave.ops import invariant_kernels as ik
 
-    def types_of(fn):
-        types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32")
-        types |= dict(tables_ptr="*i32", tile_seq_ptr="*i32", tile_first_ptr="*i32", ws_ml_ptr="*fp32")
+    def types_of(fn, index="*i32"):
+        types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr=index, ctx_ptr=index)
+        types |= dict(tables_ptr="*i32", ws_ml_ptr="*fp32")
         types |= dict(ws_acc_ptr="*fp32", num_seqs="i32", num_tokens="i32", block_size="i32", scale="fp32")
         types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
         return {k: v for k, v in types.items() if k in fn.arg_names}
 
     group_pad = ik._group_pad(group)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
-                CHUNK=ik.KV_CHUNK, PAGED=paged)  # fmt: skip
+                CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK)  # fmt: skip
     launch = ik.AttentionLaunch()
     for split_k in (False, True):
         fn = ik._invariant_attention_kernel
         ptx = compile_for_gpu(fn, types_of(fn), meta | dict(SPLIT_K=split_k),
                               num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
+        assert "wgmma.mma_async" in ptx
+    if paged and group == 4:  # offsets and context lengths read as int64 where the caller passes them so
+        fn = ik._invariant_attention_kernel
+        ptx = compile_for_gpu(fn, types_of(fn, "*i64"), meta | dict(SPLIT_K=False), num_warps=launch.num_warps,
+                              num_stages=launch.num_stages)  # fmt: skip
         assert "wgmma.mma_async" in ptx
     fn = ik._merge_chunks_kernel
     assert "ld.global" in compile_for_gpu(fn, types_of(fn), meta, num_warps=4)

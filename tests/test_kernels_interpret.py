@@ -147,6 +147,18 @@ def _check_invariant_kernels() -> None:
         torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
         # one program per key chunk, then their merge: the same bits as one program per tile
         assert torch.equal(invariant_kernels.attention(q, k_cache, v_cache, cu, split=True, **paged), got)
+        # int64 offsets and lengths, read as they are; rows padded after the last sequence's come back zero (the
+        # output is allocated empty: deterministic mode fills it with NaN first)
+        padded_q = torch.cat([q, q[:5]])
+        torch.use_deterministic_algorithms(True)
+        try:
+            for split in (False, True):
+                wide = dict(paged, context_lens=ctx.long())
+                padded = invariant_kernels.attention(padded_q, k_cache, v_cache, cu.long(), split=split, **wide)
+                assert torch.equal(padded[: len(q)], got), split
+                assert torch.equal(padded[len(q) :], torch.zeros_like(padded[len(q) :])), split
+        finally:
+            torch.use_deterministic_algorithms(False)
         # the chunk's last token as a decode of its own (context 150, one new token): its row's bits
         for split in (False, True):
             last = invariant_kernels.attention(
@@ -158,6 +170,17 @@ def _check_invariant_kernels() -> None:
                 **(paged | dict(context_lens=ctx[1:2], block_tables=tables[1:2])),
             )
             assert torch.equal(last[0], got[20])
+    # more sequences than a program reads at a time (SEQ_BLOCK) while it finds its tile's: 150 decodes and a chunk
+    q_lens = [1] * 150 + [20]
+    assert len(q_lens) > invariant_kernels.SEQ_BLOCK
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, _ = _paged_case(
+        q_lens, [2 + i % 7 for i in range(150)] + [30], heads=8, kv_heads=2, head_dim=32, num_blocks=256,
+        device="cpu", dtype=torch.float16)  # fmt: skip
+    k_cache[slots], v_cache[slots] = k_new, v_new
+    ref = attention._paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu, ctx, tables, bs, 0.2)
+    got = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables, block_size=bs,
+                                      scale=0.2, split=False)  # fmt: skip
+    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
     # packed: its own K/V
     lens = [5, 0, 70, 17]
     qkv = torch.randn(sum(lens), 8 + 4, 32, generator=gen).half()

@@ -24,9 +24,12 @@ is in, how many tokens the tile holds, or whether the step is a prefill, a chunk
 programs would not fill the GPU (decodes of few sequences), one program per (tile, kv head, chunk) writes its chunk's
 state and a second kernel merges them in the same order: the same bits, more programs.
 
-Tiles without a host sync: sequence b's new tokens take cdiv(q_len_b, TOKENS) tiles; the grid has the upper bound
-cdiv(M, TOKENS) + B programs per kv head, and a program finds its sequence in the tiles' running count (searchsorted
-on the device); those past the last tile exit.
+Tiles without a host sync and without a launch of their own: sequence b's new tokens take cdiv(q_len_b, TOKENS) tiles;
+the grid has the upper bound cdiv(M, TOKENS) + B programs per kv head, and a program finds its sequence by counting
+the tiles of the sequences before it from cu_seqlens itself (_seq_of_tile); those past the last tile exit, but the
+first of them zeroes the rows after the last sequence's (padding), so the output needs no memset. A plan computed by
+torch ops instead costs 13 small kernels per call, one call per layer: 416 of the 742 kernels of a llama3-8b decode
+step at batch 1 (benchmarks/results/2026-12-05/engine-llama3-8b-tp1-1xH200-ak-invariant.json).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ except ImportError:  # CPU-only installs: ops/invariant.py's reference path
 KV_CHUNK = 64  # key positions per attention step (ops/invariant.py's CPU path walks the same chunks)
 ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per attention program: one wgmma's M
 SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
+SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
 
 
 @dataclass(frozen=True)
@@ -214,17 +218,53 @@ if triton is not None:
         tl.store(c_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
-    def _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    def _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS: tl.constexpr, SEQ_BLOCK: tl.constexpr):
+        """(seq, first): the sequence whose new tokens tile `tile` holds and that sequence's first tile, sequence b's
+        new tokens taking cdiv(q_len_b, TOKENS) tiles in order; past the last tile, seq >= num_seqs and first is the
+        number of tiles."""
+        seq = 0
+        first = 0
+        before = 0  # tiles of the sequences of earlier blocks
+        for s0 in range(0, num_seqs, SEQ_BLOCK):
+            b = s0 + tl.arange(0, SEQ_BLOCK)
+            ok = b < num_seqs
+            lo = tl.load(cu_ptr + b, mask=ok, other=0).to(tl.int32)
+            hi = tl.load(cu_ptr + b + 1, mask=ok, other=0).to(tl.int32)
+            tiles = (hi - lo + TOKENS - 1) // TOKENS
+            ends = before + tl.cumsum(tiles, 0)
+            done = ends <= tile  # sequences wholly before the tile (an empty one with them)
+            seq += tl.sum(done.to(tl.int32), 0)
+            first += tl.sum(tl.where(done, tiles, 0), 0)
+            before += tl.sum(tiles, 0)
+        return seq, first
+
+    @triton.jit
+    def _zero_rows_after(o_ptr, cu_ptr, num_seqs, num_tokens, kvh, stride_om, stride_oh, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+        """Zeros in this kv head's q heads of the rows after the last sequence's new tokens (none, unless padded)."""
+        r = tl.arange(0, TOKENS * GROUP_PAD)
+        g = r % GROUP_PAD
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        zeros = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], o_ptr.dtype.element_ty)
+        for t0 in range(tl.load(cu_ptr + num_seqs).to(tl.int32), num_tokens, TOKENS):
+            tok = t0 + r // GROUP_PAD
+            ok = (tok < num_tokens) & (g < GROUP)
+            o_ptrs = o_ptr + tok[:, None].to(tl.int64) * stride_om + heads[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptrs, zeros, mask=ok[:, None])
+
+    @triton.jit
+    def _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    TOKENS: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
         """A tile's rows: (q_start, kv_len, q_rows, heads, row_ok, pos, last): the sequence's first new token's row and
         context length, each row's token row, q head, validity and query position, and the keys the tile sees."""
-        q_start = tl.load(cu_ptr + seq)
-        num_q = tl.load(cu_ptr + seq + 1) - q_start
+        q_start = tl.load(cu_ptr + seq).to(tl.int32)
+        num_q = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_start
         if PAGED:
-            kv_len = tl.load(ctx_ptr + seq)
+            kv_len = tl.load(ctx_ptr + seq).to(tl.int32)
         else:  # a packed batch: a sequence's context is its own new tokens, stored at its rows
             kv_len = num_q
-        t0 = (tile - tl.load(tile_first_ptr + seq)) * TOKENS  # the tile's first token among the sequence's new ones
+        t0 = (tile - first) * TOKENS  # the tile's first token among the sequence's new ones
         r = tl.arange(0, TOKENS * GROUP_PAD)
         tok = t0 + r // GROUP_PAD
         g = r % GROUP_PAD
@@ -266,20 +306,23 @@ if triton is not None:
 
     @triton.jit
     def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tables_ptr,
-                                    tile_seq_ptr, tile_first_ptr, num_seqs, num_tokens, stride_qm, stride_qh,
-                                    stride_ks, stride_kh, stride_vs, stride_vh, stride_om, stride_oh, stride_tb,
-                                    block_size, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                                    TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                                    PAGED: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+                                    num_seqs, num_tokens, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, stride_om, stride_oh, stride_tb, block_size, scale,
+                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
+                                    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
+                                    SPLIT_K: tl.constexpr, SEQ_BLOCK: tl.constexpr):  # fmt: skip
         """One program per (tile, kv head), merging the tile's key chunks' states in key order (SPLIT_K False); or one
         per (tile, kv head, chunk), writing the chunk's state to the workspace for _merge_chunks_kernel (SPLIT_K
         True)."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq = tl.load(tile_seq_ptr + tile)
+        seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS, SEQ_BLOCK)
         if seq >= num_seqs:
+            if (tile == first) & (tl.program_id(2) == 0):  # the first program past the last tile
+                _zero_rows_after(o_ptr, cu_ptr, num_seqs, num_tokens, kvh, stride_om, stride_oh, GROUP, GROUP_PAD,
+                                 TOKENS, HEAD_DIM)  # fmt: skip
             return
-        q_start, kv_len, q_rows, g, row_ok, pos, last = _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP,
+        q_start, kv_len, q_rows, g, row_ok, pos, last = _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP,
                                                                    GROUP_PAD, TOKENS, PAGED)  # fmt: skip
         if SPLIT_K:
             if tl.program_id(2) * CHUNK >= last:
@@ -314,18 +357,18 @@ if triton is not None:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tile_seq_ptr, tile_first_ptr, num_seqs,
-                            num_tokens, stride_om, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                            TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                            PAGED: tl.constexpr):  # fmt: skip
+    def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, num_seqs, num_tokens, stride_om,
+                            stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
+                            SEQ_BLOCK: tl.constexpr):  # fmt: skip
         """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq = tl.load(tile_seq_ptr + tile)
+        seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS, SEQ_BLOCK)
         if seq >= num_seqs:
             return
-        _, _, q_rows, g, row_ok, _, last = _tile_rows(tile, cu_ptr, ctx_ptr, tile_first_ptr, seq, GROUP, GROUP_PAD,
-                                                      TOKENS, PAGED)  # fmt: skip
+        _, _, q_rows, g, row_ok, _, last = _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP, GROUP_PAD, TOKENS,
+                                                      PAGED)  # fmt: skip
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
         num_heads = tl.num_programs(1) * GROUP
@@ -419,19 +462,16 @@ def attention(
     lp = launch or AttentionLaunch()
     tokens = max(1, lp.rows // group_pad)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    out = q_MHD.new_zeros(q_MHD.shape)
     if num_tokens == 0 or num_seqs == 0:
-        return out
-    cu = cu_seqlens_q.to(torch.int32)
-    tiles = (cu[1:] - cu[:-1] + tokens - 1) // tokens  # (B,) tiles per sequence
-    tiles_end = tiles.cumsum(0).to(torch.int32)
-    tile_first = (tiles_end - tiles).to(torch.int32)
+        return q_MHD.new_zeros(q_MHD.shape)
+    out = q_MHD.new_empty(q_MHD.shape)  # every row written: a tile's, or zeros after the last sequence's
+    cu = cu_seqlens_q  # int32 or int64, read as it is (a cast would be a launch)
+    # at most cdiv(q_len_b, tokens) <= (q_len_b - 1) // tokens + 1 tiles per sequence: at least one program is past
+    # the last tile, which zeroes the padding rows
     grid_tiles = triton.cdiv(num_tokens, tokens) + num_seqs
-    tile_seq = torch.searchsorted(tiles_end, torch.arange(grid_tiles, device=q_MHD.device, dtype=torch.int32),
-                                  right=True).to(torch.int32)  # fmt: skip
     paged = block_tables is not None
     if paged:
-        ctx, tables = context_lens.to(torch.int32), block_tables
+        ctx, tables = context_lens, block_tables
         stride_tb = tables.stride(0)
         max_keys = tables.shape[1] * block_size
     else:
@@ -445,15 +485,14 @@ def attention(
         ws_acc = torch.empty(chunks, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q_MHD.device)
     else:
         ws_ml = ws_acc = out
-    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK, PAGED=paged)
+    meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK, PAGED=paged,
+                SEQ_BLOCK=SEQ_BLOCK)  # fmt: skip
     _invariant_attention_kernel[(grid_tiles, num_kv, chunks)](
-        q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, tile_seq, tile_first, num_seqs, num_tokens, q_MHD.stride(0),
-        q_MHD.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb,
-        block_size, float(scale), **meta, SPLIT_K=chunks > 1, num_warps=lp.num_warps,
-        num_stages=lp.num_stages,
+        q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, num_seqs, num_tokens, q_MHD.stride(0), q_MHD.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
+        float(scale), **meta, SPLIT_K=chunks > 1, num_warps=lp.num_warps, num_stages=lp.num_stages,
     )  # fmt: skip
     if chunks > 1:
-        _merge_chunks_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, tile_seq, tile_first, num_seqs,
-                                                  num_tokens, out.stride(0), out.stride(1), **meta,
-                                                  num_warps=4)  # fmt: skip
+        _merge_chunks_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, num_seqs, num_tokens, out.stride(0),
+                                                  out.stride(1), **meta, num_warps=4)  # fmt: skip
     return out
