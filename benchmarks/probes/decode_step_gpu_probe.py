@@ -9,6 +9,7 @@ back with the longest gaps between kernels and what they sit between.
 import argparse
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -30,9 +31,9 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     engine = LLMEngine(TPContext.single("cuda"), args.model, max_num_seqs=args.batch, max_num_batched_tokens=2048,
-                       max_model_len=args.context + 64, piecewise_graphs=False)  # fmt: skip
+                       max_model_len=args.context + 128, piecewise_graphs=False)  # fmt: skip
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=40)  # 4 + 4 + 12 steps timed
+    params = SamplingParams(max_tokens=80)  # 4 + 4 + 12 steps profiled, then 2 x (1 + 12) timed
     for _ in range(args.batch):
         _decoding(engine, [rng.randrange(engine.vocab_size) for _ in range(args.context)], params)
     for _ in range(4):
@@ -42,9 +43,27 @@ def main() -> None:
     # as `bench engine` times them: steps back to back (async scheduling keeps one in flight), replays back to back
     stream, replays = kernels(engine.step, calls=12, sync_each=False), kernels(graph.replay, calls=12, sync_each=False)
     for name, k in (("steps back to back", stream), ("replays back to back", replays)):
-        print(f"{name}: kernel_us {k['kernel_us']:.0f} gap_us {k['gap_us']:.0f} per call; longest gaps:")
+        print(f"{name}: kernel_us {k['kernel_us']:.0f} gap_us {k['gap_us']:.0f} per call; gaps of 200 us or more "
+              f"{k['long_gap_us']:.0f} us per call ({len(k['long_gaps'])}: {[round(g[0]) for g in k['long_gaps']]}); "
+              "longest gaps under 200 us:")  # fmt: skip
         for gap in k["longest_gaps"]:
             print(f"   {gap[0]:7.1f} us  after {gap[1]}  before {gap[2]}")
+    # as `bench engine` samples them, without the profiler: each step's wall time (async scheduling) against
+    # event-timed replays of its graph, twice in turn
+    wall, replay_ms = [], []
+    for _ in range(2):
+        engine.step()
+        t = time.perf_counter()
+        for _ in range(12):
+            engine.step()
+            now = time.perf_counter()
+            wall.append((now - t) * 1e3)
+            t = now
+        torch.cuda.synchronize()
+        replay_ms += _event_ms(graph.replay, reps=12, warmup=1)
+    print("wall ms per step", [round(w, 3) for w in wall])
+    print("replay ms", [round(r, 3) for r in replay_ms])
+    print(f"median step {median(wall):.3f} ms, replay {median(replay_ms):.3f} ms")
     names = set(step["per_name"]) | set(replay["per_name"])
     s, r = step["per_name"], replay["per_name"]
     diff = sorted(((s.get(n, (0, 0))[1] - r.get(n, (0, 0))[1], n, s.get(n), r.get(n)) for n in names), reverse=True)
@@ -61,7 +80,8 @@ def main() -> None:
             record_argmax[f"{name} b{rows}"] = median(_event_ms(fn, reps=50))
     print("argmax ms", json.dumps(record_argmax))
     out = Path(args.out) / f"decode_step_gpu_probe-{args.model}-b{args.batch}.json"
-    record = {"argmax_ms": record_argmax, "step": step, "replay": replay, "diff_us": diff, "steps_back_to_back": stream,
+    record = {"argmax_ms": record_argmax, "wall_step_ms": wall, "replay_ms": replay_ms, "step": step,
+              "replay": replay, "diff_us": diff, "steps_back_to_back": stream,
               "replays_back_to_back": replays}  # fmt: skip
     out.write_text(json.dumps(record, indent=1, default=str))
     print("wrote", out)

@@ -24,9 +24,9 @@ def back_to_back(fn, calls: int = 3, reps: int = 10) -> float:
 
 def kernels(fn, calls: int = 3, *, sync_each: bool = True) -> dict:
     """Per kernel name: calls and microseconds per call of fn; per call the sum of kernel times and of gaps (a kernel
-    starting after the one before ended; gaps of 200 us or more, the host's sync between calls, left out); and the 8
-    longest gaps with the kernels around them. sync_each=False: calls back to back, as a stream of engine steps runs
-    (their boundaries' gaps then show)."""
+    starting after the one before ended; gaps of 200 us or more, the host's sync between calls, counted apart as
+    long_gap_us, each in long_gaps); and the 8 longest gaps under 200 us with the kernels around them.
+    sync_each=False: calls back to back, as a stream of engine steps runs (their boundaries' gaps then show)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -39,7 +39,7 @@ def kernels(fn, calls: int = 3, *, sync_each: bool = True) -> dict:
     evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)  # fmt: skip
     per = defaultdict(lambda: [0, 0.0])
-    gaps, busy, around = 0.0, 0.0, []
+    gaps, busy, around, long_gaps = 0.0, 0.0, [], []
     for i, e in enumerate(evs):
         per[e.name[:90]][0] += 1
         per[e.name[:90]][1] += e.time_range.elapsed_us()
@@ -49,8 +49,11 @@ def kernels(fn, calls: int = 3, *, sync_each: bool = True) -> dict:
             if gap < 200:
                 gaps += gap
                 around.append((gap, evs[i - 1].name[:60], e.name[:60]))
+            else:
+                long_gaps.append((gap, evs[i - 1].name[:60], e.name[:60]))
     return {"per_name": {k: (n / calls, us / calls) for k, (n, us) in per.items()}, "kernel_us": busy / calls,
-            "gap_us": gaps / calls, "longest_gaps": sorted(around, reverse=True)[:8]}  # fmt: skip
+            "gap_us": gaps / calls, "longest_gaps": sorted(around, reverse=True)[:8],
+            "long_gap_us": sum(g for g, _, _ in long_gaps) / calls, "long_gaps": long_gaps}  # fmt: skip
 
 
 def main() -> None:
