@@ -275,7 +275,8 @@ def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
 
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_invariant_matmul_kernel_compiles(has_bias):
-    """The batch-invariant matmul at each of its launch shapes, on the tensor cores' warpgroup MMA."""
+    """The batch-invariant matmul at each of its launch shapes, on the tensor cores' warpgroup MMA, under PDL with no
+    load before its wait."""
     from tpweave.ops import invariant_kernels
 
     fn = invariant_kernels._invariant_matmul_kernel
@@ -283,13 +284,14 @@ def test_invariant_matmul_kernel_compiles(has_bias):
     types |= dict(beta="fp32", alpha="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     for t in invariant_kernels.TILINGS:
         meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                    GROUP_M=t.group_m)  # fmt: skip
-        ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
-        assert "wgmma.mma_async" in ptx
+                    GROUP_M=t.group_m, PDL=True)  # fmt: skip
+        kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 
 def test_tree_matmul_kernel_compiles():
-    """The "tp" level's tree product at each number of K chunks, on the tensor cores' warpgroup MMA."""
+    """The "tp" level's tree product at each number of K chunks, on the tensor cores' warpgroup MMA, under PDL with no
+    load before its wait."""
     from tpweave.ops import invariant_kernels
 
     fn = invariant_kernels._tree_matmul_kernel
@@ -297,15 +299,17 @@ def test_tree_matmul_kernel_compiles():
     types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     t = invariant_kernels.TREE_TILING
     for chunks in invariant_kernels.TREE_CHUNKS:
-        meta = dict(CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m)
-        ptx = compile_for_gpu(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
-        assert "wgmma.mma_async" in ptx
+        meta = dict(CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                    PDL=True)  # fmt: skip
+        kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
-    """The invariant attention, one program per tile and one per key chunk (both on wgmma), and the chunks' merge."""
+    """The invariant attention, one program per tile and one per key chunk (both on wgmma), and the chunks' merge, under
+    PDL with no load before the wait."""
     from tpweave.ops import invariant_kernels as ik
 
     def types_of(fn, index="*i32"):
@@ -317,20 +321,21 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
 
     group_pad = ik._group_pad(group)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
-                CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK)  # fmt: skip
+                CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True)  # fmt: skip
     launch = ik.AttentionLaunch()
     for split_k in (False, True):
         fn = ik._invariant_attention_kernel
-        ptx = compile_for_gpu(fn, types_of(fn), meta | dict(SPLIT_K=split_k),
-                              num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
-        assert "wgmma.mma_async" in ptx
+        kernel = compile_kernel(fn, types_of(fn), meta | dict(SPLIT_K=split_k), num_warps=launch.num_warps,
+                                num_stages=launch.num_stages)  # fmt: skip
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
     if paged and group == 4:  # offsets and context lengths read as int64 where the caller passes them so
         fn = ik._invariant_attention_kernel
         ptx = compile_for_gpu(fn, types_of(fn, "*i64"), meta | dict(SPLIT_K=False), num_warps=launch.num_warps,
                               num_stages=launch.num_stages)  # fmt: skip
         assert "wgmma.mma_async" in ptx
     fn = ik._merge_chunks_kernel
-    assert "ld.global" in compile_for_gpu(fn, types_of(fn), meta, num_warps=4)
+    kernel = compile_kernel(fn, types_of(fn), meta, num_warps=4)
+    assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

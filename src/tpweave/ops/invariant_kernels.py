@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tpweave.ops import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -152,7 +154,9 @@ if triton is not None:
     def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                  stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
                                  HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                 PDL: tl.constexpr):  # fmt: skip
+        pdl.wait_and_release(PDL)
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
@@ -177,7 +181,8 @@ if triton is not None:
     @triton.jit
     def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                             stride_cn, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        pdl.wait_and_release(PDL)
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rk = tl.arange(0, BLOCK_K)
         # the sums of the last 1, 2 and 4 leaves not yet paired (collectives.tree_sum's tree, built left to right)
@@ -310,10 +315,11 @@ if triton is not None:
                                     stride_vh, stride_om, stride_oh, stride_tb, block_size, scale,
                                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
-                                    SPLIT_K: tl.constexpr, SEQ_BLOCK: tl.constexpr):  # fmt: skip
+                                    SPLIT_K: tl.constexpr, SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """One program per (tile, kv head), merging the tile's key chunks' states in key order (SPLIT_K False); or one
         per (tile, kv head, chunk), writing the chunk's state to the workspace for _merge_chunks_kernel (SPLIT_K
         True)."""
+        pdl.wait_and_release(PDL)  # the offsets, q and the new K/V may be the kernels' just before
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS, SEQ_BLOCK)
@@ -360,8 +366,9 @@ if triton is not None:
     def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, num_seqs, num_tokens, stride_om,
                             stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
-                            SEQ_BLOCK: tl.constexpr):  # fmt: skip
+                            SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program."""
+        pdl.wait_and_release(PDL)  # the workspace is the kernel's just before
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS, SEQ_BLOCK)
@@ -401,11 +408,12 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         bias = torch.broadcast_to(bias, (m, n))
     t = tiling or tiling_for(m, n, k)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    on = pdl.enabled(a.device)
     _invariant_matmul_kernel[grid](
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+        GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
 
@@ -425,10 +433,11 @@ def tree_matmul(a: Tensor, b: Tensor, chunks: int) -> Tensor:
         return out
     t = TREE_TILING
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    on = pdl.enabled(a.device)
     _tree_matmul_kernel[grid](
         a, b, out, m, n, k // chunks, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on,
+        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
 
@@ -485,14 +494,15 @@ def attention(
         ws_acc = torch.empty(chunks, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q_MHD.device)
     else:
         ws_ml = ws_acc = out
+    on = pdl.enabled(q_MHD.device)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK, PAGED=paged,
-                SEQ_BLOCK=SEQ_BLOCK)  # fmt: skip
+                SEQ_BLOCK=SEQ_BLOCK, PDL=on)  # fmt: skip
     _invariant_attention_kernel[(grid_tiles, num_kv, chunks)](
         q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, num_seqs, num_tokens, q_MHD.stride(0), q_MHD.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
-        float(scale), **meta, SPLIT_K=chunks > 1, num_warps=lp.num_warps, num_stages=lp.num_stages,
+        float(scale), **meta, SPLIT_K=chunks > 1, num_warps=lp.num_warps, num_stages=lp.num_stages, launch_pdl=on,
     )  # fmt: skip
     if chunks > 1:
         _merge_chunks_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, num_seqs, num_tokens, out.stride(0),
-                                                  out.stride(1), **meta, num_warps=4)  # fmt: skip
+                                                  out.stride(1), **meta, num_warps=4, launch_pdl=on)  # fmt: skip
     return out
