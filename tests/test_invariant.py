@@ -333,7 +333,6 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
     decode, and packed among other sequences: bitwise the same. The "tp" level's tree product: a row alone and among
     513, and the ranks' subtrees of a row-parallel K summed in the tree's upper levels at TP 2, 4 and 8: the bits of
     the whole tree."""
-    from test_gpu_attention import _paged_case
     from tpweave.ops import invariant_kernels
     from tpweave.ops.collectives import tree_sum
 
@@ -358,20 +357,31 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
             parts = [invariant_kernels.tree_matmul(x[:513, r * kc : (r + 1) * kc], w.t()[r * kc : (r + 1) * kc],
                                                    8 // world) for r in range(world)]  # fmt: skip
             assert torch.equal(tree_sum(parts), tree), (n, k, world)
+    _attention_bits_agree_on_the_gpu(launch=None)
+
+
+def _attention_bits_agree_on_the_gpu(launch) -> None:
+    """A query's invariant attention output (bf16, llama3-8b's heads) in a prefill, a chunk after cached context, a
+    decode and packed among others, per tile and per key chunk, every call under `launch` (None: the default plan):
+    bitwise the same."""
+    from test_gpu_attention import _paged_case
+    from tpweave.ops import invariant_kernels
+
     # one sequence of 300 tokens: prefilled whole / in chunks of 100 after cached context / its last 20 decoded
     args = _paged_case([300], [300], heads=32, kv_heads=8, head_dim=128, num_blocks=256)
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
     k_cache[slots], v_cache[slots] = k_new, v_new
     whole = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
-                                        block_size=bs, scale=scale)  # fmt: skip
+                                        block_size=bs, scale=scale, launch=launch)  # fmt: skip
     for split in (False, True):  # one program per tile or per key chunk
         again = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
-                                            block_size=bs, scale=scale, split=split)  # fmt: skip
+                                            block_size=bs, scale=scale, split=split,
+                                            launch=launch)  # fmt: skip
         assert torch.equal(again, whole), split
     for start, end in [(0, 100), (100, 200), (200, 300)] + [(p, p + 1) for p in range(280, 300)]:
         part = invariant_kernels.attention(q[start:end], k_cache, v_cache, cu.new_tensor([0, end - start]),
                                            context_lens=ctx.new_tensor([end]), block_tables=tables, block_size=bs,
-                                           scale=scale)  # fmt: skip
+                                           scale=scale, launch=launch)  # fmt: skip
         assert torch.equal(part, whole[start:end]), (start, end)
     # the decodes packed with 63 other sequences' decodes and a chunk (the other sequences' blocks elsewhere)
     others = _paged_case([1] * 63 + [37], [900] * 63 + [600], heads=32, kv_heads=8, head_dim=128, num_blocks=4096,
@@ -382,8 +392,19 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
     tab = torch.nn.functional.pad(tables, (0, otables.shape[1] - tables.shape[1]))
     mixed = invariant_kernels.attention(torch.cat([oq, q[299:300]]), ok_cache, ov_cache,
                                         torch.cat([ocu, ocu[-1:] + 1]), context_lens=torch.cat([octx, ctx]),
-                                        block_tables=torch.cat([otables, tab]), block_size=bs, scale=scale)  # fmt: skip
+                                        block_tables=torch.cat([otables, tab]), block_size=bs, scale=scale,
+                                        launch=launch)  # fmt: skip
     assert torch.equal(mixed[-1:], whole[299:300])
+
+
+@pytest.mark.gpu(gpus=1)
+def test_invariant_attention_at_16_row_tiles_is_invariant_on_the_gpu():
+    """The invariant attention with every call at 16-row tiles (mma.sync instead of wgmma; faster at decode sizes,
+    benchmarks/results/2026-12-04/probes/invariant_attention_probe-1xH200-479cb46.log, but not the default plan's
+    bits): a query's output the same in a prefill, a chunk, a decode and packed among others."""
+    from tpweave.ops import invariant_kernels
+
+    _attention_bits_agree_on_the_gpu(launch=invariant_kernels.AttentionLaunch(rows=16))
 
 
 @pytest.mark.gpu(gpus=1)

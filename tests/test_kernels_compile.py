@@ -328,6 +328,10 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
         kernel = compile_kernel(fn, types_of(fn), meta | dict(SPLIT_K=split_k), num_warps=launch.num_warps,
                                 num_stages=launch.num_stages)  # fmt: skip
         assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+    fn = ik._invariant_attention_kernel  # 16-row tiles: mma.sync (tests/test_invariant.py, 16-row tiles)
+    ptx = compile_for_gpu(fn, types_of(fn), meta | dict(TOKENS=max(1, 16 // group_pad), SPLIT_K=False),
+                          num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
+    assert "mma.sync.aligned" in ptx and "wgmma" not in ptx
     if paged and group == 4:  # offsets and context lengths read as int64 where the caller passes them so
         fn = ik._invariant_attention_kernel
         ptx = compile_for_gpu(fn, types_of(fn, "*i64"), meta | dict(SPLIT_K=False), num_warps=launch.num_warps,

@@ -461,8 +461,9 @@ def attention(
 ) -> Tensor:
     """Causal attention of each sequence's new tokens (module doc). Paged (context_lens and block_tables given): k / v
     (slots, K, D) the page pool, the new tokens' K/V already in it. Packed: k / v (M, K, D) the new tokens' own.
-    `split` (one program per key chunk or not) and `launch` override the launch plan (probes, tests): neither changes
-    a bit."""
+    `split` (one program per key chunk or not) and `launch` override the launch plan (probes, tests). `split` changes
+    no bit; `launch` keeps a row's bits only at 64 rows and more: a tile of fewer rows runs on mma.sync, not wgmma,
+    which rounds differently (benchmarks/results/2026-12-04/probes/invariant_attention_probe-1xH200-479cb46.log)."""
     q_MHD, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_MHD, k, v))
     num_tokens, num_heads, head_dim = q_MHD.shape
     num_kv = k.shape[1]
