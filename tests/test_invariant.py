@@ -360,10 +360,11 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
     _attention_bits_agree_on_the_gpu(launch=None)
 
 
-def _attention_bits_agree_on_the_gpu(launch) -> None:
+def _attention_bits_agree_on_the_gpu(launch, prefill_launch=None) -> None:
     """A query's invariant attention output (bf16, llama3-8b's heads) in a prefill, a chunk after cached context, a
-    decode and packed among others, per tile and per key chunk, every call under `launch` (None: the default plan):
-    bitwise the same."""
+    decode and packed among others, per tile and per key chunk, every call under `launch` (None: the default plan),
+    the whole prefill's under `prefill_launch` where given: bitwise the same."""
+    prefill_launch = prefill_launch or launch
     from test_gpu_attention import _paged_case
     from tpweave.ops import invariant_kernels
 
@@ -372,7 +373,7 @@ def _attention_bits_agree_on_the_gpu(launch) -> None:
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
     k_cache[slots], v_cache[slots] = k_new, v_new
     whole = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
-                                        block_size=bs, scale=scale, launch=launch)  # fmt: skip
+                                        block_size=bs, scale=scale, launch=prefill_launch)  # fmt: skip
     for split in (False, True):  # one program per tile or per key chunk
         again = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
                                             block_size=bs, scale=scale, split=split,
@@ -399,12 +400,15 @@ def _attention_bits_agree_on_the_gpu(launch) -> None:
 
 @pytest.mark.gpu(gpus=1)
 def test_invariant_attention_at_16_row_tiles_is_invariant_on_the_gpu():
-    """The invariant attention with every call at 16-row tiles (mma.sync instead of wgmma; faster at decode sizes,
+    """The invariant attention with every call at 16-row products (mma.sync instead of wgmma; faster at decode sizes,
     benchmarks/results/2026-12-04/probes/invariant_attention_probe-1xH200-479cb46.log, but not the default plan's
-    bits): a query's output the same in a prefill, a chunk, a decode and packed among others."""
+    bits): a query's output the same in a prefill (one product a program, or four sharing each chunk's K/V), a
+    chunk, a decode and packed among others."""
     from tpweave.ops import invariant_kernels
 
-    _attention_bits_agree_on_the_gpu(launch=invariant_kernels.AttentionLaunch(rows=16))
+    one = invariant_kernels.AttentionLaunch(rows=16)
+    _attention_bits_agree_on_the_gpu(launch=one)
+    _attention_bits_agree_on_the_gpu(launch=one, prefill_launch=invariant_kernels.AttentionLaunch(rows=16, subtiles=4))
 
 
 @pytest.mark.gpu(gpus=1)

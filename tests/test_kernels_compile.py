@@ -308,8 +308,9 @@ def test_tree_matmul_kernel_compiles():
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
-    """The invariant attention, one program per tile and one per key chunk (both on wgmma), and the chunks' merge, under
-    PDL with no load before the wait."""
+    """The invariant attention, one program per tile and one per key chunk (both on wgmma at the default 64 rows), and
+    the chunks' merge, under PDL with no load before the wait; at 16 rows on mma.sync, with 1 and 4 sub-tiles a
+    program; with 64-bit pool offsets and int64 sequence offsets."""
     from tpweave.ops import invariant_kernels as ik
 
     def types_of(fn, index="*i32"):
@@ -321,25 +322,28 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
 
     group_pad = ik._group_pad(group)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
-                CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True)  # fmt: skip
+                CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True, SUB=1)  # fmt: skip
     launch = ik.AttentionLaunch()
+    fn = ik._invariant_attention_kernel
+
+    def compiled(index="*i32", **over):
+        return compile_kernel(fn, types_of(fn, index), meta | dict(SPLIT_K=False, OFF64=False) | over,
+                              num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
+
     for split_k in (False, True):
-        fn = ik._invariant_attention_kernel
-        kernel = compile_kernel(fn, types_of(fn), meta | dict(SPLIT_K=split_k), num_warps=launch.num_warps,
-                                num_stages=launch.num_stages)  # fmt: skip
+        kernel = compiled(SPLIT_K=split_k)
         assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
-    fn = ik._invariant_attention_kernel  # 16-row tiles: mma.sync (tests/test_invariant.py, 16-row tiles)
-    ptx = compile_for_gpu(fn, types_of(fn), meta | dict(TOKENS=max(1, 16 // group_pad), SPLIT_K=False),
-                          num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
-    assert "mma.sync.aligned" in ptx and "wgmma" not in ptx
-    if paged and group == 4:  # offsets and context lengths read as int64 where the caller passes them so
-        fn = ik._invariant_attention_kernel
-        ptx = compile_for_gpu(fn, types_of(fn, "*i64"), meta | dict(SPLIT_K=False), num_warps=launch.num_warps,
-                              num_stages=launch.num_stages)  # fmt: skip
-        assert "wgmma.mma_async" in ptx
+    subtiles = ((1, False), (4, False), (4, True)) if paged and group == 4 else ((1, False),)
+    for sub, split_k in subtiles:  # 16-row products: mma.sync (tests/test_invariant.py)
+        ptx = compiled(TOKENS=max(1, 16 // group_pad), SUB=sub, SPLIT_K=split_k).asm["ptx"]
+        assert "mma.sync.aligned" in ptx and "wgmma" not in ptx, (sub, split_k)
+    if paged and group == 4:  # a pool of 2**31 elements or more; offsets and lengths read as int64 where passed so
+        assert "wgmma.mma_async" in compiled(OFF64=True).asm["ptx"]
+        assert "wgmma.mma_async" in compiled("*i64").asm["ptx"]
     fn = ik._merge_chunks_kernel
-    kernel = compile_kernel(fn, types_of(fn), meta, num_warps=4)
-    assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+    for sub in (1, 4) if paged and group == 4 else (1,):
+        kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub), num_warps=4)
+        assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

@@ -147,6 +147,16 @@ def _check_invariant_kernels() -> None:
         torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
         # one program per key chunk, then their merge: the same bits as one program per tile
         assert torch.equal(invariant_kernels.attention(q, k_cache, v_cache, cu, split=True, **paged), got)
+        # sub-tiles sharing a chunk's K/V loads: each its own product over its rows, the same bits as one per
+        # program, at the default row count and at 16 rows
+        if heads == 8:
+            for rows in (64, 16):
+                alone = invariant_kernels.AttentionLaunch(rows=rows)
+                one = invariant_kernels.attention(q, k_cache, v_cache, cu, split=False, launch=alone, **paged)
+                for sub, split in ((2, False), (4, False), (4, True)):
+                    launch = invariant_kernels.AttentionLaunch(rows=rows, subtiles=sub)
+                    got_sub = invariant_kernels.attention(q, k_cache, v_cache, cu, split=split, launch=launch, **paged)
+                    assert torch.equal(got_sub, one), (rows, sub, split)
         # int64 offsets and lengths, read as they are; rows padded after the last sequence's come back zero (the
         # output is allocated empty: deterministic mode fills it with NaN first)
         padded_q = torch.cat([q, q[:5]])
@@ -190,6 +200,8 @@ def _check_invariant_kernels() -> None:
     got = invariant_kernels.attention(q, k, v, cu, scale=0.2, split=False)
     torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
     assert torch.equal(invariant_kernels.attention(q, k, v, cu, scale=0.2, split=True), got)
+    four = invariant_kernels.AttentionLaunch(subtiles=4)
+    assert torch.equal(invariant_kernels.attention(q, k, v, cu, scale=0.2, split=False, launch=four), got)
 
 
 def test_invariant_kernels_in_the_interpreter():

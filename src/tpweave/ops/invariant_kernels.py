@@ -55,12 +55,15 @@ SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """The attention kernel's query rows per program (tokens x padded q heads of one kv head), warps and pipeline
-    depth."""
+    """The attention kernel's query rows per product (tokens x padded q heads of one kv head), products per program
+    (`subtiles`: 1, 2 or 4, each over its own rows, all sharing each chunk's K/V loads), warps and pipeline depth.
+    A row's bits depend on `rows` (the tensor-core instruction: wgmma from 64 rows, mma.sync below), never on
+    `subtiles`."""
 
     num_warps: int = 4
     num_stages: int = 2
     rows: int = ATTENTION_ROWS
+    subtiles: int = 1
 
 
 @dataclass(frozen=True)
@@ -279,26 +282,72 @@ if triton is not None:
         return q_start, kv_len, (q_start + tok).to(tl.int64), g, row_ok, pos, last
 
     @triton.jit
-    def _chunk_state(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, c0, stride_ks, stride_kh,
-                     stride_vs, stride_vh, stride_tb, block_size, scale, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                     PAGED: tl.constexpr):  # fmt: skip
-        """The rows' softmax state over keys c0..c0+CHUNK-1 alone: (max score, sum of exp(score - max), the
-        exp-weighted sum of values); a row that sees none of them gets (-inf, 0, 0)."""
-        d = tl.arange(0, HEAD_DIM)
+    def _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
+                    block_size, CHUNK: tl.constexpr, PAGED: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
+        """Keys c0..c0+CHUNK-1 of a sequence: (their K rows' and V rows' offsets in the pool, their positions, which
+        exist). The offsets are int32 unless the pool has 2**31 elements or more (OFF64): a (CHUNK, HEAD_DIM) tile
+        of 64-bit addresses took registers enough to spill (ptxas for sm_90a, 64 rows, 4 warps: 367 spill instructions
+        against 147)."""
         t = c0 + tl.arange(0, CHUNK)
         t_ok = t < kv_len
         if PAGED:
             block = tl.load(tables_ptr + seq * stride_tb + t // block_size, mask=t_ok, other=0)
-            slot = block.to(tl.int64) * block_size + t % block_size
+            slot = block * block_size + t % block_size
         else:
-            slot = (q_start + t).to(tl.int64)
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=t_ok[:, None], other=0.0)
+            slot = q_start + t
+        if OFF64:
+            slot = slot.to(tl.int64)
+        return slot * stride_ks + kvh * stride_kh, slot * stride_vs + kvh * stride_vh, t, t_ok
+
+    @triton.jit
+    def _load_rows(ptr, row, row_ok, HEAD_DIM: tl.constexpr):
+        """(CHUNK, HEAD_DIM) of K or V at those rows' offsets, zeros where a key does not exist."""
+        d = tl.arange(0, HEAD_DIM)
+        return tl.load(ptr + row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    @triton.jit
+    def _chunk_scores(q, pos, k, t, t_ok, scale):
+        """The rows' scores over one chunk's keys, as (max, exp(score - max)); a row that sees none of them gets
+        (-inf, 0). The chunk's state is (max, sum of exp, exp @ V)."""
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
         m = tl.max(s, 1)
-        p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        return m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v)
+        return m, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+
+    @triton.jit
+    def _subtile_q(q_ptr, q_start, num_q, kv_len, t0, kvh, stride_qm, stride_qh, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+        """A sub-tile's rows (TOKENS tokens from the sequence's new token t0, x GROUP_PAD q heads): (q, their token
+        rows, q heads, validity, query positions)."""
+        r = tl.arange(0, TOKENS * GROUP_PAD)
+        tok = t0 + r // GROUP_PAD
+        g = r % GROUP_PAD
+        row_ok = (tok < num_q) & (g < GROUP)
+        q_rows = (q_start + tok).to(tl.int64)
+        heads = kvh * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # fmt: skip
+        return q, q_rows, heads, row_ok, kv_len - num_q + tok
+
+    @triton.jit
+    def _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM: tl.constexpr):
+        d = tl.arange(0, HEAD_DIM)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _store_state(ws_ml_ptr, ws_acc_ptr, chunk, q_rows, heads, row_ok, m_i, l_i, acc, num_tokens, num_heads,
+                     HEAD_DIM: tl.constexpr):  # fmt: skip
+        """A chunk's state at (chunk, token row, q head): m and l in ws_ml (chunks, 2, M, H), acc in ws_acc (chunks,
+        M, H, D)."""
+        d = tl.arange(0, HEAD_DIM)
+        at = (chunk * 2 * num_tokens + q_rows) * num_heads + heads
+        tl.store(ws_ml_ptr + at, m_i, mask=row_ok)
+        tl.store(ws_ml_ptr + at + num_tokens * num_heads, l_i, mask=row_ok)
+        at = (chunk * num_tokens + q_rows) * num_heads + heads
+        tl.store(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
     def _merge_state(m_a, l_a, acc_a, m_b, l_b, acc_b):
@@ -315,73 +364,121 @@ if triton is not None:
                                     stride_vh, stride_om, stride_oh, stride_tb, block_size, scale,
                                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
-                                    SPLIT_K: tl.constexpr, SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                                    SPLIT_K: tl.constexpr, SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr,
+                                    SUB: tl.constexpr = 1, OFF64: tl.constexpr = True):  # fmt: skip
         """One program per (tile, kv head), merging the tile's key chunks' states in key order (SPLIT_K False); or one
         per (tile, kv head, chunk), writing the chunk's state to the workspace for _merge_chunks_kernel (SPLIT_K
-        True)."""
+        True). A tile is SUB sub-tiles of TOKENS tokens, each its own product over the chunk's K/V (loaded once)."""
         pdl.wait_and_release(PDL)  # the offsets, q and the new K/V may be the kernels' just before
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS, SEQ_BLOCK)
+        seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, SUB * TOKENS, SEQ_BLOCK)
         if seq >= num_seqs:
             if (tile == first) & (tl.program_id(2) == 0):  # the first program past the last tile
                 _zero_rows_after(o_ptr, cu_ptr, num_seqs, num_tokens, kvh, stride_om, stride_oh, GROUP, GROUP_PAD,
-                                 TOKENS, HEAD_DIM)  # fmt: skip
+                                 SUB * TOKENS, HEAD_DIM)  # fmt: skip
             return
-        q_start, kv_len, q_rows, g, row_ok, pos, last = _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP,
-                                                                   GROUP_PAD, TOKENS, PAGED)  # fmt: skip
+        q_start = tl.load(cu_ptr + seq).to(tl.int32)
+        num_q = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_start
+        if PAGED:
+            kv_len = tl.load(ctx_ptr + seq).to(tl.int32)
+        else:  # a packed batch: a sequence's context is its own new tokens, stored at its rows
+            kv_len = num_q
+        t0 = (tile - first) * SUB * TOKENS  # the tile's first token among the sequence's new ones
+        last = tl.minimum(kv_len, kv_len - num_q + t0 + SUB * TOKENS)  # keys the tile's last row sees, + 1
         if SPLIT_K:
             if tl.program_id(2) * CHUNK >= last:
                 return
-        d = tl.arange(0, HEAD_DIM)
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)  # fmt: skip
+        q0, rows0, heads0, ok0, pos0 = _subtile_q(q_ptr, q_start, num_q, kv_len, t0, kvh, stride_qm, stride_qh, GROUP,
+                                                  GROUP_PAD, TOKENS, HEAD_DIM)  # fmt: skip
+        if SUB >= 2:
+            q1, rows1, heads1, ok1, pos1 = _subtile_q(q_ptr, q_start, num_q, kv_len, t0 + TOKENS, kvh, stride_qm,
+                                                      stride_qh, GROUP, GROUP_PAD, TOKENS, HEAD_DIM)  # fmt: skip
+        if SUB >= 4:
+            q2, rows2, heads2, ok2, pos2 = _subtile_q(q_ptr, q_start, num_q, kv_len, t0 + 2 * TOKENS, kvh, stride_qm,
+                                                      stride_qh, GROUP, GROUP_PAD, TOKENS, HEAD_DIM)  # fmt: skip
+            q3, rows3, heads3, ok3, pos3 = _subtile_q(q_ptr, q_start, num_q, kv_len, t0 + 3 * TOKENS, kvh, stride_qm,
+                                                      stride_qh, GROUP, GROUP_PAD, TOKENS, HEAD_DIM)  # fmt: skip
         if SPLIT_K:
-            m_i, l_i, acc = _chunk_state(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos,
-                                         tl.program_id(2) * CHUNK, stride_ks, stride_kh, stride_vs, stride_vh,
-                                         stride_tb, block_size, scale, HEAD_DIM, CHUNK, PAGED)  # fmt: skip
-            # the state at (chunk, token row, q head): m and l in ws_ml (chunks, 2, M, H), acc in ws_acc (chunks, M,
-            # H, D)
+            c = tl.program_id(2)
+            k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c * CHUNK, stride_ks,
+                                                stride_kh, stride_vs, stride_vh, stride_tb, block_size, CHUNK,
+                                                PAGED, OFF64)  # fmt: skip
+            # K, then V: never both in registers
+            k = _load_rows(k_ptr, k_row, t_ok, HEAD_DIM)
+            m_c0, p0 = _chunk_scores(q0, pos0, k, t, t_ok, scale)
+            if SUB >= 2:
+                m_c1, p1 = _chunk_scores(q1, pos1, k, t, t_ok, scale)
+            if SUB >= 4:
+                m_c2, p2 = _chunk_scores(q2, pos2, k, t, t_ok, scale)
+                m_c3, p3 = _chunk_scores(q3, pos3, k, t, t_ok, scale)
+            v = _load_rows(v_ptr, v_row, t_ok, HEAD_DIM)
             num_heads = tl.num_programs(1) * GROUP
-            at = (tl.program_id(2) * 2 * num_tokens + q_rows) * num_heads + heads
-            tl.store(ws_ml_ptr + at, m_i, mask=row_ok)
-            tl.store(ws_ml_ptr + at + num_tokens * num_heads, l_i, mask=row_ok)
-            at = (tl.program_id(2) * num_tokens + q_rows) * num_heads + heads
-            tl.store(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+            _store_state(ws_ml_ptr, ws_acc_ptr, c, rows0, heads0, ok0, m_c0, tl.sum(p0, 1),
+                         tl.dot(p0.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
+            if SUB >= 2:
+                _store_state(ws_ml_ptr, ws_acc_ptr, c, rows1, heads1, ok1, m_c1, tl.sum(p1, 1),
+                             tl.dot(p1.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
+            if SUB >= 4:
+                _store_state(ws_ml_ptr, ws_acc_ptr, c, rows2, heads2, ok2, m_c2, tl.sum(p2, 1),
+                             tl.dot(p2.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
+                _store_state(ws_ml_ptr, ws_acc_ptr, c, rows3, heads3, ok3, m_c3, tl.sum(p3, 1),
+                             tl.dot(p3.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
             return
-        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
-        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
+        m0 = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+        l0 = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
+        a0 = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
+        if SUB >= 2:
+            m1, l1, a1 = m0, l0, a0
+        if SUB >= 4:
+            m2, l2, a2 = m0, l0, a0
+            m3, l3, a3 = m0, l0, a0
         for c0 in range(0, last, CHUNK):
-            m_c, l_c, acc_c = _chunk_state(q, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, pos, c0, stride_ks,
-                                           stride_kh, stride_vs, stride_vh, stride_tb, block_size, scale, HEAD_DIM,
-                                           CHUNK, PAGED)  # fmt: skip
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_c, l_c, acc_c)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh,
+                                                stride_vs, stride_vh, stride_tb, block_size, CHUNK,
+                                                PAGED, OFF64)  # fmt: skip
+            k = _load_rows(k_ptr, k_row, t_ok, HEAD_DIM)
+            m_c0, p0 = _chunk_scores(q0, pos0, k, t, t_ok, scale)
+            if SUB >= 2:
+                m_c1, p1 = _chunk_scores(q1, pos1, k, t, t_ok, scale)
+            if SUB >= 4:
+                m_c2, p2 = _chunk_scores(q2, pos2, k, t, t_ok, scale)
+                m_c3, p3 = _chunk_scores(q3, pos3, k, t, t_ok, scale)
+            v = _load_rows(v_ptr, v_row, t_ok, HEAD_DIM)
+            m0, l0, a0 = _merge_state(m0, l0, a0, m_c0, tl.sum(p0, 1), tl.dot(p0.to(v.dtype), v))
+            if SUB >= 2:
+                m1, l1, a1 = _merge_state(m1, l1, a1, m_c1, tl.sum(p1, 1), tl.dot(p1.to(v.dtype), v))
+            if SUB >= 4:
+                m2, l2, a2 = _merge_state(m2, l2, a2, m_c2, tl.sum(p2, 1), tl.dot(p2.to(v.dtype), v))
+                m3, l3, a3 = _merge_state(m3, l3, a3, m_c3, tl.sum(p3, 1), tl.dot(p3.to(v.dtype), v))
+        _store_rows(o_ptr, rows0, heads0, ok0, m0, l0, a0, stride_om, stride_oh, HEAD_DIM)
+        if SUB >= 2:
+            _store_rows(o_ptr, rows1, heads1, ok1, m1, l1, a1, stride_om, stride_oh, HEAD_DIM)
+        if SUB >= 4:
+            _store_rows(o_ptr, rows2, heads2, ok2, m2, l2, a2, stride_om, stride_oh, HEAD_DIM)
+            _store_rows(o_ptr, rows3, heads3, ok3, m3, l3, a3, stride_om, stride_oh, HEAD_DIM)
 
     @triton.jit
     def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, num_seqs, num_tokens, stride_om,
                             stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
-                            SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program."""
+                            SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1):  # fmt: skip
+        """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program (the
+        tile's SUB x TOKENS tokens at once: no product here)."""
         pdl.wait_and_release(PDL)  # the workspace is the kernel's just before
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS, SEQ_BLOCK)
+        seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, SUB * TOKENS, SEQ_BLOCK)
         if seq >= num_seqs:
             return
-        _, _, q_rows, g, row_ok, _, last = _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP, GROUP_PAD, TOKENS,
-                                                      PAGED)  # fmt: skip
+        _, _, q_rows, g, row_ok, _, last = _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP, GROUP_PAD,
+                                                      SUB * TOKENS, PAGED)  # fmt: skip
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
         num_heads = tl.num_programs(1) * GROUP
-        m_i = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
-        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
+        m_i = tl.full([SUB * TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([SUB * TOKENS * GROUP_PAD], tl.float32)
+        acc = tl.zeros([SUB * TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
         for c in range(0, tl.cdiv(last, CHUNK)):
             at = (c * 2 * num_tokens + q_rows) * num_heads + heads
             m_s = tl.load(ws_ml_ptr + at, mask=row_ok, other=float("-inf"))
@@ -389,9 +486,7 @@ if triton is not None:
             at = (c * num_tokens + q_rows) * num_heads + heads
             acc_s = tl.load(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
             m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_s, l_s, acc_s)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM)
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
@@ -470,15 +565,18 @@ def attention(
     group = num_heads // num_kv
     group_pad = _group_pad(group)
     lp = launch or AttentionLaunch()
-    tokens = max(1, lp.rows // group_pad)
+    if lp.subtiles not in (1, 2, 4):
+        raise ValueError(f"invariant attention: {lp.subtiles} sub-tiles per program (1, 2 or 4)")
+    tokens = max(1, lp.rows // group_pad)  # per sub-tile; a tile holds lp.subtiles x tokens
+    tile_tokens = lp.subtiles * tokens
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return q_MHD.new_zeros(q_MHD.shape)
     out = q_MHD.new_empty(q_MHD.shape)  # every row written: a tile's, or zeros after the last sequence's
     cu = cu_seqlens_q  # int32 or int64, read as it is (a cast would be a launch)
-    # at most cdiv(q_len_b, tokens) <= (q_len_b - 1) // tokens + 1 tiles per sequence: at least one program is past
-    # the last tile, which zeroes the padding rows
-    grid_tiles = triton.cdiv(num_tokens, tokens) + num_seqs
+    # at most cdiv(q_len_b, tile_tokens) <= (q_len_b - 1) // tile_tokens + 1 tiles per sequence: at least one program
+    # is past the last tile, which zeroes the padding rows
+    grid_tiles = triton.cdiv(num_tokens, tile_tokens) + num_seqs
     paged = block_tables is not None
     if paged:
         ctx, tables = context_lens, block_tables
@@ -497,11 +595,13 @@ def attention(
         ws_ml = ws_acc = out
     on = pdl.enabled(q_MHD.device)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, CHUNK=KV_CHUNK, PAGED=paged,
-                SEQ_BLOCK=SEQ_BLOCK, PDL=on)  # fmt: skip
+                SEQ_BLOCK=SEQ_BLOCK, PDL=on, SUB=lp.subtiles)  # fmt: skip
+    off64 = max(k.numel(), v.numel()) >= 2**31 or max(k.stride(0), v.stride(0)) * k.shape[0] >= 2**31
     _invariant_attention_kernel[(grid_tiles, num_kv, chunks)](
         q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, num_seqs, num_tokens, q_MHD.stride(0), q_MHD.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
-        float(scale), **meta, SPLIT_K=chunks > 1, num_warps=lp.num_warps, num_stages=lp.num_stages, launch_pdl=on,
+        float(scale), **meta, SPLIT_K=chunks > 1, OFF64=off64, num_warps=lp.num_warps, num_stages=lp.num_stages,
+        launch_pdl=on,
     )  # fmt: skip
     if chunks > 1:
         _merge_chunks_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, num_seqs, num_tokens, out.stride(0),
