@@ -338,16 +338,21 @@ if triton is not None:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _store_state(ws_ml_ptr, ws_acc_ptr, chunk, q_rows, heads, row_ok, m_i, l_i, acc, num_tokens, num_heads,
-                     HEAD_DIM: tl.constexpr):  # fmt: skip
-        """A chunk's state at (chunk, token row, q head): m and l in ws_ml (chunks, 2, M, H), acc in ws_acc (chunks,
-        M, H, D)."""
-        d = tl.arange(0, HEAD_DIM)
-        at = (chunk * 2 * num_tokens + q_rows) * num_heads + heads
-        tl.store(ws_ml_ptr + at, m_i, mask=row_ok)
-        tl.store(ws_ml_ptr + at + num_tokens * num_heads, l_i, mask=row_ok)
-        at = (chunk * num_tokens + q_rows) * num_heads + heads
-        tl.store(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+    def _store(o_ptr, ws_ml_ptr, ws_acc_ptr, q_rows, heads, row_ok, m_i, l_i, acc, num_tokens, stride_om, stride_oh,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+        """The rows' output (SPLIT_K False); or their state over this program's chunk (merged into the empty state,
+        which changes no value it keeps) at (chunk, token row, q head): m and l in ws_ml (chunks, 2, M, H), acc in
+        ws_acc (chunks, M, H, D)."""
+        if SPLIT_K:
+            d = tl.arange(0, HEAD_DIM)
+            num_heads = tl.num_programs(1) * GROUP
+            at = (tl.program_id(2) * 2 * num_tokens + q_rows) * num_heads + heads
+            tl.store(ws_ml_ptr + at, m_i, mask=row_ok)
+            tl.store(ws_ml_ptr + at + num_tokens * num_heads, l_i, mask=row_ok)
+            at = (tl.program_id(2) * num_tokens + q_rows) * num_heads + heads
+            tl.store(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        else:
+            _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM)
 
     @triton.jit
     def _merge_state(m_a, l_a, acc_a, m_b, l_b, acc_b):
@@ -399,32 +404,12 @@ if triton is not None:
                                                       stride_qh, GROUP, GROUP_PAD, TOKENS, HEAD_DIM)  # fmt: skip
             q3, rows3, heads3, ok3, pos3 = _subtile_q(q_ptr, q_start, num_q, kv_len, t0 + 3 * TOKENS, kvh, stride_qm,
                                                       stride_qh, GROUP, GROUP_PAD, TOKENS, HEAD_DIM)  # fmt: skip
-        if SPLIT_K:
-            c = tl.program_id(2)
-            k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c * CHUNK, stride_ks,
-                                                stride_kh, stride_vs, stride_vh, stride_tb, block_size, CHUNK,
-                                                PAGED, OFF64)  # fmt: skip
-            # K, then V: never both in registers
-            k = _load_rows(k_ptr, k_row, t_ok, HEAD_DIM)
-            m_c0, p0 = _chunk_scores(q0, pos0, k, t, t_ok, scale)
-            if SUB >= 2:
-                m_c1, p1 = _chunk_scores(q1, pos1, k, t, t_ok, scale)
-            if SUB >= 4:
-                m_c2, p2 = _chunk_scores(q2, pos2, k, t, t_ok, scale)
-                m_c3, p3 = _chunk_scores(q3, pos3, k, t, t_ok, scale)
-            v = _load_rows(v_ptr, v_row, t_ok, HEAD_DIM)
-            num_heads = tl.num_programs(1) * GROUP
-            _store_state(ws_ml_ptr, ws_acc_ptr, c, rows0, heads0, ok0, m_c0, tl.sum(p0, 1),
-                         tl.dot(p0.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
-            if SUB >= 2:
-                _store_state(ws_ml_ptr, ws_acc_ptr, c, rows1, heads1, ok1, m_c1, tl.sum(p1, 1),
-                             tl.dot(p1.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
-            if SUB >= 4:
-                _store_state(ws_ml_ptr, ws_acc_ptr, c, rows2, heads2, ok2, m_c2, tl.sum(p2, 1),
-                             tl.dot(p2.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
-                _store_state(ws_ml_ptr, ws_acc_ptr, c, rows3, heads3, ok3, m_c3, tl.sum(p3, 1),
-                             tl.dot(p3.to(v.dtype), v), num_tokens, num_heads, HEAD_DIM)  # fmt: skip
-            return
+        if SPLIT_K:  # this program's chunk alone, its state to the workspace
+            c_lo = tl.program_id(2) * CHUNK
+            c_hi = c_lo + CHUNK
+        else:
+            c_lo = 0
+            c_hi = last
         m0 = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
         l0 = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
         a0 = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
@@ -433,10 +418,11 @@ if triton is not None:
         if SUB >= 4:
             m2, l2, a2 = m0, l0, a0
             m3, l3, a3 = m0, l0, a0
-        for c0 in range(0, last, CHUNK):
+        for c0 in range(c_lo, c_hi, CHUNK):
             k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh,
                                                 stride_vs, stride_vh, stride_tb, block_size, CHUNK,
                                                 PAGED, OFF64)  # fmt: skip
+            # K, then V: never both in registers
             k = _load_rows(k_ptr, k_row, t_ok, HEAD_DIM)
             m_c0, p0 = _chunk_scores(q0, pos0, k, t, t_ok, scale)
             if SUB >= 2:
@@ -451,12 +437,16 @@ if triton is not None:
             if SUB >= 4:
                 m2, l2, a2 = _merge_state(m2, l2, a2, m_c2, tl.sum(p2, 1), tl.dot(p2.to(v.dtype), v))
                 m3, l3, a3 = _merge_state(m3, l3, a3, m_c3, tl.sum(p3, 1), tl.dot(p3.to(v.dtype), v))
-        _store_rows(o_ptr, rows0, heads0, ok0, m0, l0, a0, stride_om, stride_oh, HEAD_DIM)
+        _store(o_ptr, ws_ml_ptr, ws_acc_ptr, rows0, heads0, ok0, m0, l0, a0, num_tokens, stride_om, stride_oh,
+               GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
         if SUB >= 2:
-            _store_rows(o_ptr, rows1, heads1, ok1, m1, l1, a1, stride_om, stride_oh, HEAD_DIM)
+            _store(o_ptr, ws_ml_ptr, ws_acc_ptr, rows1, heads1, ok1, m1, l1, a1, num_tokens, stride_om, stride_oh,
+                   GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
         if SUB >= 4:
-            _store_rows(o_ptr, rows2, heads2, ok2, m2, l2, a2, stride_om, stride_oh, HEAD_DIM)
-            _store_rows(o_ptr, rows3, heads3, ok3, m3, l3, a3, stride_om, stride_oh, HEAD_DIM)
+            _store(o_ptr, ws_ml_ptr, ws_acc_ptr, rows2, heads2, ok2, m2, l2, a2, num_tokens, stride_om, stride_oh,
+                   GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
+            _store(o_ptr, ws_ml_ptr, ws_acc_ptr, rows3, heads3, ok3, m3, l3, a3, num_tokens, stride_om, stride_oh,
+                   GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
 
     @triton.jit
     def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, num_seqs, num_tokens, stride_om,
