@@ -262,24 +262,25 @@ if triton is not None:
             tl.store(o_ptrs, zeros, mask=ok[:, None])
 
     @triton.jit
-    def _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   TOKENS: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
-        """A tile's rows: (q_start, kv_len, q_rows, heads, row_ok, pos, last): the sequence's first new token's row and
-        context length, each row's token row, q head, validity and query position, and the keys the tile sees."""
+    def _tile_span(tile, first, seq, cu_ptr, ctx_ptr, TOKENS: tl.constexpr, PAGED: tl.constexpr):
+        """A tile of TOKENS tokens: (q_start, num_q, kv_len, t0, last): its sequence's first new token's row, new
+        tokens and context length, the tile's first token among the new ones, and the keys its last row sees, + 1."""
         q_start = tl.load(cu_ptr + seq).to(tl.int32)
         num_q = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_start
         if PAGED:
             kv_len = tl.load(ctx_ptr + seq).to(tl.int32)
         else:  # a packed batch: a sequence's context is its own new tokens, stored at its rows
             kv_len = num_q
-        t0 = (tile - first) * TOKENS  # the tile's first token among the sequence's new ones
+        t0 = (tile - first) * TOKENS
+        return q_start, num_q, kv_len, t0, tl.minimum(kv_len, kv_len - num_q + t0 + TOKENS)
+
+    @triton.jit
+    def _rows(q_start, num_q, kv_len, t0, kvh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr):
+        """TOKENS tokens from new token t0, x GROUP_PAD q heads: (token rows, q heads, validity, query positions)."""
         r = tl.arange(0, TOKENS * GROUP_PAD)
         tok = t0 + r // GROUP_PAD
         g = r % GROUP_PAD
-        row_ok = (tok < num_q) & (g < GROUP)
-        pos = kv_len - num_q + tok  # each row's query position
-        last = tl.minimum(kv_len, kv_len - num_q + t0 + TOKENS)  # keys the tile's last row sees, + 1
-        return q_start, kv_len, (q_start + tok).to(tl.int64), g, row_ok, pos, last
+        return (q_start + tok).to(tl.int64), kvh * GROUP + g, (tok < num_q) & (g < GROUP), kv_len - num_q + tok
 
     @triton.jit
     def _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
@@ -317,18 +318,12 @@ if triton is not None:
     @triton.jit
     def _subtile_q(q_ptr, q_start, num_q, kv_len, t0, kvh, stride_qm, stride_qh, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-        """A sub-tile's rows (TOKENS tokens from the sequence's new token t0, x GROUP_PAD q heads): (q, their token
-        rows, q heads, validity, query positions)."""
-        r = tl.arange(0, TOKENS * GROUP_PAD)
-        tok = t0 + r // GROUP_PAD
-        g = r % GROUP_PAD
-        row_ok = (tok < num_q) & (g < GROUP)
-        q_rows = (q_start + tok).to(tl.int64)
-        heads = kvh * GROUP + g
+        """A sub-tile's rows (_rows) and their q: (q, token rows, q heads, validity, query positions)."""
+        q_rows, heads, row_ok, pos = _rows(q_start, num_q, kv_len, t0, kvh, GROUP, GROUP_PAD, TOKENS)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qm + heads[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)  # fmt: skip
-        return q, q_rows, heads, row_ok, kv_len - num_q + tok
+        return q, q_rows, heads, row_ok, pos
 
     @triton.jit
     def _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM: tl.constexpr):
@@ -383,14 +378,7 @@ if triton is not None:
                 _zero_rows_after(o_ptr, cu_ptr, num_seqs, num_tokens, kvh, stride_om, stride_oh, GROUP, GROUP_PAD,
                                  SUB * TOKENS, HEAD_DIM)  # fmt: skip
             return
-        q_start = tl.load(cu_ptr + seq).to(tl.int32)
-        num_q = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_start
-        if PAGED:
-            kv_len = tl.load(ctx_ptr + seq).to(tl.int32)
-        else:  # a packed batch: a sequence's context is its own new tokens, stored at its rows
-            kv_len = num_q
-        t0 = (tile - first) * SUB * TOKENS  # the tile's first token among the sequence's new ones
-        last = tl.minimum(kv_len, kv_len - num_q + t0 + SUB * TOKENS)  # keys the tile's last row sees, + 1
+        q_start, num_q, kv_len, t0, last = _tile_span(tile, first, seq, cu_ptr, ctx_ptr, SUB * TOKENS, PAGED)
         if SPLIT_K:
             if tl.program_id(2) * CHUNK >= last:
                 return
@@ -461,10 +449,9 @@ if triton is not None:
         seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, SUB * TOKENS, SEQ_BLOCK)
         if seq >= num_seqs:
             return
-        _, _, q_rows, g, row_ok, _, last = _tile_rows(tile, cu_ptr, ctx_ptr, first, seq, GROUP, GROUP_PAD,
-                                                      SUB * TOKENS, PAGED)  # fmt: skip
+        q_start, num_q, kv_len, t0, last = _tile_span(tile, first, seq, cu_ptr, ctx_ptr, SUB * TOKENS, PAGED)
+        q_rows, heads, row_ok, _ = _rows(q_start, num_q, kv_len, t0, kvh, GROUP, GROUP_PAD, SUB * TOKENS)
         d = tl.arange(0, HEAD_DIM)
-        heads = kvh * GROUP + g
         num_heads = tl.num_programs(1) * GROUP
         m_i = tl.full([SUB * TOKENS * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([SUB * TOKENS * GROUP_PAD], tl.float32)
