@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 38 on one GPU (llama3-8b on one H200: tests about 4 minutes, cost 6, attention 2; a device call runs 10 at
-# most, so tests and cost go in separate calls): the GPU invariance tests, then
+# Issue 38 on one GPU (llama3-8b on one H200: tests about 5 minutes, cost 6, attention 2, matmul 3 or 4; a device
+# call runs 10 at most, so tests and cost go in separate calls): the GPU invariance tests, then
 # the cost of `--invariant batch` (the default mode and invariant mode run one after the other, compared by
-# benchmarks/probes/invariant_cost.py), then, with time left, the attention kernel's plans. Everything goes to
+# benchmarks/probes/invariant_cost.py), then, with time left, the attention kernel's plans; `matmul` (not in the
+# default steps) times the matmul's launch shapes, the TMA candidates among them, against cuBLAS. Everything goes to
 # $OUT/invariant.tar.gz (one file: a device call returns at most 8). Before the device call, commit, then
 #   python -c "from tpweave.bench.provenance import write_manifest; print(write_manifest())"
 # and carry .tpweave-manifest.json. Then from the repository root on the GPU box:
-#   bash benchmarks/invariant_session.sh [MODEL] [STEPS...]     (steps: tests cost attention; default all three)
+#   bash benchmarks/invariant_session.sh [MODEL] [STEPS...]     (steps: tests cost attention matmul; default the
+#   first three)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
@@ -21,7 +23,7 @@ trap pack EXIT
 for step in $STEPS; do
     case $step in
     tests)
-        timeout 300 python -m pytest -q -m gpu tests/test_invariant.py -p no:logging --show-capture=stderr \
+        timeout 420 python -m pytest -q -m gpu tests/test_invariant.py -p no:logging --show-capture=stderr \
             > "$R/gpu-tests.log" 2>&1
         echo "rc=$?" >> "$R/gpu-tests.log" ;;
     cost)
@@ -36,6 +38,9 @@ for step in $STEPS; do
     attention)
         (cd benchmarks/probes && timeout 150 python invariant_attention_probe.py --out "$R") > "$R/attention.log" 2>&1
         echo "rc=$?" >> "$R/attention.log" ;;
+    matmul)
+        timeout 420 python benchmarks/probes/invariant_mm_probe.py --out "$R" > "$R/matmul.log" 2>&1
+        echo "rc=$?" >> "$R/matmul.log" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
     esac
 done

@@ -210,6 +210,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_flash_prefill_kernel",
         "_paged_prefill_kernel",
         "_invariant_matmul_kernel",
+        "_invariant_matmul_tma_kernel",
         "_tree_matmul_kernel",
         "_invariant_attention_kernel",
         "_merge_chunks_kernel",
@@ -287,6 +288,32 @@ def test_invariant_matmul_kernel_compiles(has_bias):
                     GROUP_M=t.group_m, PDL=True)  # fmt: skip
         kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
         assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+
+
+def test_invariant_matmul_tma_kernel_compiles():
+    """The TMA candidates of the batch-invariant matmul (ik.TMA_TILINGS; B as a transposed weight and as (K, N), with
+    the bias epilogue): TMA loads, the pointer kernel's warpgroup MMA instructions (m64 x the tile's columns x k16),
+    no load before the PDL wait."""
+    import re
+
+    from tpweave.ops import invariant_kernels as ik
+
+    fn = ik._invariant_matmul_tma_kernel
+    types = dict(c_ptr="*bf16", bias_ptr="*bf16", M="i32", N="i32", K="i32", beta="fp32", alpha="fp32")
+    types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+    for i, t in enumerate(ik.TMA_TILINGS):
+        b_nk = i % 2 == 0
+        b_block = [t.block_n, t.block_k] if b_nk else [t.block_k, t.block_n]
+        descs = dict(a_desc=f"tensordesc<bf16[{t.block_m}, {t.block_k}]>", b_desc=f"tensordesc<bf16{b_block}>")
+        meta = dict(HAS_BIAS=i % 3 == 0, SCALED=i % 3 == 0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                    GROUP_M=t.group_m, B_NK=b_nk, PERSISTENT=t.persistent, NUM_SMS=132 if t.persistent else 0,
+                    WARP_SPECIALIZE=t.warp_specialize, PDL=True)  # fmt: skip
+        kernel = compile_kernel(fn, types | descs, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        ptx = kernel.asm["ptx"]
+        mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx))
+        assert mma == {f"m64n{t.block_n}k16"}, (t, mma)
+        assert "cp.async.bulk.tensor" in ptx, t
+        assert not loads_before_wait(kernel), t
 
 
 def test_tree_matmul_kernel_compiles():

@@ -108,6 +108,20 @@ def _check_invariant_kernels() -> None:
     for rows in (slice(0, 1), slice(33, 70)):  # a row alone and in another place: the same bits
         got = invariant_kernels.matmul(a[rows], w.t(), tiling=tiling)
         assert torch.equal(got, invariant_kernels.matmul(a, w.t())[rows])
+    # the TMA candidates (zeros past the edges, B as a transposed weight or (K, N), persistent programs walking
+    # several tiles each, the epilogue): the pointer kernel's result; inputs the TMA cannot describe (rows of 100
+    # halves: 200 bytes, not a multiple of 16) run the pointer kernel
+    from dataclasses import replace
+
+    invariant_kernels._num_sms = lambda device: 3  # 3 persistent programs for the 2 x 2 tiles
+    a96, w96 = torch.randn(70, 96, generator=gen).half(), torch.randn(88, 96, generator=gen).half()
+    cases = ((a96, w96.t(), bias[:88]), (a96, w96.t().contiguous(), bias[:88]), (a, w.t(), bias))
+    assert [invariant_kernels._tma_describes(x[33:], b) for x, b, _ in cases] == [True, True, False]
+    for x, b, c in cases:
+        want = invariant_kernels.matmul(x[33:], b, c, beta=0.5, alpha=2.0, tiling=tiling)
+        for t in (replace(tiling, tma=True), replace(tiling, tma=True, persistent=True)):
+            assert torch.equal(invariant_kernels.matmul(x, b, tiling=t), invariant_kernels.matmul(x, b, tiling=tiling))
+            assert torch.equal(invariant_kernels.matmul(x[33:], b, c, beta=0.5, alpha=2.0, tiling=t), want), t
     # a long K with a short last step, under every launch shape of one BLOCK_K: the same bits (the interpreter's dot
     # is NumPy's over a whole BLOCK_K step; the GPU test compares BLOCK_Ks)
     a, w = torch.randn(130, 8229, generator=gen).half(), torch.randn(40, 8229, generator=gen).half()

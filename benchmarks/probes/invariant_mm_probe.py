@@ -1,6 +1,7 @@
 """The batch-invariant Triton matmul (ops/invariant_kernels.py) against cuBLAS (torch.mm) at llama3-8b's TP=1
-shapes, under several launch shapes, and whether every one gives the same bits as the default choice at M = 2048
-(rows 0..M-1): which shapes could be picked per M without changing a row.
+shapes, under several launch shapes (the pointer kernel's, and the TMA candidates: ik.TMA_TILINGS), and whether every
+one gives the same bits as the default choice at M = 2048 (rows 0..M-1): which shapes could be picked per M without
+changing a row.
 
     python benchmarks/probes/invariant_mm_probe.py [--out DIR]
 """
@@ -22,13 +23,22 @@ SMALL_ONLY = ("16x64", "16x32k128")  # mma.sync tiles: timed at decode sizes onl
 TILINGS = {
     "64x64": ik.SMALL_M_TILING,
     "64x32k128": ik.SMALL_M_LONG_K_TILING,
-    "64x128": ik.MID_M_TILING,
-    "128x64": replace(ik.SMALL_M_TILING, block_m=128, num_stages=4),
+    "128x64": ik.MID_M_TILING,
     "128x128": ik.LARGE_M_TILING,
     "128x256": ik.LARGE_M_WIDE_TILING,
     "16x64": replace(ik.SMALL_M_TILING, block_m=16),
     "16x32k128": replace(ik.SMALL_M_LONG_K_TILING, block_m=16),
 }
+
+
+def _label(t: ik.MatmulTiling) -> str:
+    k = "" if t.block_k == 64 else f"k{t.block_k}"
+    kind = "tma_ws" if t.warp_specialize else "tma_p" if t.persistent else "tma"
+    return f"{t.block_m}x{t.block_n}{k}s{t.num_stages}_{kind}"
+
+
+TILINGS |= {_label(t): t for t in ik.TMA_TILINGS}  # the same tiles with A and B through the TMA
+SMALL_ONLY += tuple(_label(t) for t in ik.TMA_TILINGS if t.block_n < 32)  # many narrow tiles: for decode sizes
 CALLS = 10  # graph replays back to back between the events
 
 
@@ -65,10 +75,12 @@ def main() -> None:
             best = min((v, key) for key, v in row.items() if key.endswith("_ms") and key not in ("cublas_ms",))
             row["best"] = best[1]
             rows.append(row)
-            same = all(v for key, v in row.items() if key.endswith("_same_bits"))
+            differ = [key[: -len("_same_bits")] for key, v in row.items() if key.endswith("_same_bits") and not v]
+            tma = min((v, key) for key, v in row.items() if "_tma" in key and key.endswith("_ms"))
             plan = row["default_tiling"]
             print(f"{name:8s} m={m:<5d} cublas {row['cublas_ms']:.4f} default {row['default_ms']:.4f} ({plan}) "
-                  f"best {best[0]:.4f} {best[1]} all same bits: {same}", flush=True)  # fmt: skip
+                  f"best {best[0]:.4f} {best[1]} best TMA {tma[0]:.4f} {tma[1]} other bits: {differ or 'none'}",
+                  flush=True)  # fmt: skip
     out = Path(args.out) / "invariant_mm_probe.json"
     tilings = {k: asdict(t) for k, t in TILINGS.items()}
     out.write_text(json.dumps({"tilings": tilings, "rows": rows}, indent=1))

@@ -7,7 +7,9 @@ in order, accumulating in fp32 (tl.dot into the accumulator). No split-K, no str
 the same way whatever M is and wherever its row sits. The launch shape (tile size, warps, stages) changes with M
 (`tiling_for`), which changes where an element is computed, not how. (A fixed split of K into chunks added in order
 would let decode sizes run split-K with the same bits at every M, but the chunk boundaries stall the pipeline at
-every M: 11-24% slower at 2048 rows on one H200, and the split kernels were no faster at one row.)
+every M: 11-24% slower at 2048 rows on one H200, and the split kernels were no faster at one row.) The same tiles and
+K walk with A and B loaded by the TMA (`_invariant_matmul_tma_kernel`: one tile a program, or persistent programs)
+issue the same warpgroup MMA instructions in the same order; they are candidates (`TMA_TILINGS`) until timed.
 
 The "tp" level's tree product (`tree_matmul`, ops/invariant.py K_CHUNKS): the same walk over each of K's 1, 2, 4 or 8
 equal chunks into an fp32 tile of its own, the chunks' tiles summed pairwise in the program, neighbours first, and
@@ -34,7 +36,8 @@ step at batch 1 (benchmarks/results/2026-12-05/engine-llama3-8b-tp1-1xH200-ak-in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -46,6 +49,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: ops/invariant.py's reference path
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no Triton, or one without host-side TMA descriptors: the pointer kernel
+    TensorDescriptor = None
 
 KV_CHUNK = 64  # key positions per attention step (ops/invariant.py's CPU path walks the same chunks)
 ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per attention program: one wgmma's M
@@ -79,6 +86,11 @@ class MatmulTiling:
     num_warps: int = 4
     num_stages: int = 6
     group_m: int = 8  # programs of GROUP_M row tiles walk the same columns together (L2 reuse; no effect on results)
+    # A and B through the TMA (inputs it cannot describe run the pointer kernel); persistent: at most one program
+    # per SM, walking the tiles; warp_specialize: Triton's producer / consumer warps over the persistent loop
+    tma: bool = False
+    persistent: bool = False
+    warp_specialize: bool = False
 
 
 # The launch shape by M, N and K, from the probe's graph-replayed timings on one H200 (benchmarks/probes/
@@ -92,6 +104,15 @@ MID_M_TILING = MatmulTiling(block_m=128, num_stages=4)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
 TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, MID_M_TILING, LARGE_M_TILING, LARGE_M_WIDE_TILING)
+# Candidates through the TMA, not chosen by `tiling_for` until timed on a GPU (benchmarks/probes/invariant_mm_probe.py
+# times them and checks their bits): each tiling above, one tile per program and persistent; the large ones with
+# warp specialization; a deeper 128 x 256; and 16-column tiles that give a decode's narrow products 4x the programs.
+TMA_TILINGS = (
+    *(replace(t, tma=True, persistent=p) for t in TILINGS for p in (False, True)),
+    *(replace(t, tma=True, persistent=True, warp_specialize=True) for t in (LARGE_M_TILING, LARGE_M_WIDE_TILING)),
+    replace(LARGE_M_WIDE_TILING, num_stages=4, tma=True, persistent=True),
+    MatmulTiling(block_n=16, block_k=128, num_stages=8, tma=True),
+)
 # The "tp" level's tree product (`tree_matmul`): one launch shape at every M, N and K. At 8 chunks a program holds
 # four fp32 tiles (the tree's pending sums and the chunk's product): 8 warps, where 4 spilled hundreds of registers
 # (ptxas for sm_90a; not timed)
@@ -141,17 +162,35 @@ def attention_supported(q_MHD: Tensor, k: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """The rows and columns of C this program owns: programs of GROUP_M row tiles walk the same columns together."""
-        pid = tl.program_id(0)
+    def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(first row, first column) of C's tile number `tile`: GROUP_M row tiles walk the same columns together."""
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
+        first_m = (tile // per_group) * GROUP_M
         rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % rows_in_group
-        pid_n = (pid % per_group) // rows_in_group
-        return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_m = first_m + (tile % per_group) % rows_in_group
+        pid_n = (tile % per_group) // rows_in_group
+        return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @triton.jit
+    def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """The rows and columns of C this program owns (_grouped_tile)."""
+        m0, n0 = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        return m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
+
+    @triton.jit
+    def _matmul_epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
+                         alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+        """C's tile = acc (x alpha) (+ beta x bias), elementwise in fp32, in C's dtype."""
+        if SCALED:
+            acc = acc * alpha
+        if HAS_BIAS:
+            bias_ptrs = bias_ptr + rm[:, None].to(tl.int64) * stride_bias_m + rn[None, :] * stride_bias_n
+            bias = tl.load(bias_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0).to(tl.float32)
+            acc = acc + beta * bias
+        c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
@@ -172,14 +211,48 @@ if triton is not None:
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        if SCALED:
-            acc = acc * alpha
-        if HAS_BIAS:
-            bias_ptrs = bias_ptr + rm[:, None].to(tl.int64) * stride_bias_m + rn[None, :] * stride_bias_n
-            bias = tl.load(bias_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0).to(tl.float32)
-            acc = acc + beta * bias
-        c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        _matmul_epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
+                         alpha, HAS_BIAS, SCALED)  # fmt: skip
+
+    @triton.jit
+    def _tma_tile(a_desc, b_desc, c_ptr, bias_ptr, tile, M, N, K, stride_cm, stride_cn, stride_bias_m, stride_bias_n,
+                  beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_NK: tl.constexpr):  # fmt: skip
+        m0, n0 = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ks in range(tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([m0, ks * BLOCK_K])
+            if B_NK:
+                b = b_desc.load([n0, ks * BLOCK_K]).T
+            else:
+                b = b_desc.load([ks * BLOCK_K, n0])
+            acc = tl.dot(a, b, acc)
+        _matmul_epilogue(acc, c_ptr, bias_ptr, m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), M, N, stride_cm,
+                         stride_cn, stride_bias_m, stride_bias_n, beta, alpha, HAS_BIAS, SCALED)  # fmt: skip
+
+    @triton.jit
+    def _invariant_matmul_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, stride_bias_m,
+                                     stride_bias_n, beta, alpha, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     GROUP_M: tl.constexpr, B_NK: tl.constexpr, PERSISTENT: tl.constexpr,
+                                     NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                                     PDL: tl.constexpr):  # fmt: skip
+        """_invariant_matmul_kernel's tiles and K walk with A and B loaded by the TMA (zeros past their edges, as the
+        masked loads give): one tile per program, or (PERSISTENT) at most NUM_SMS programs each taking every
+        NUM_SMS-th tile, the next tile's loads under this one's epilogue. B is (K, N) in b_desc, or (N, K) where B_NK
+        (a transposed weight: its K contiguous)."""
+        pdl.wait_and_release(PDL)
+        if PERSISTENT:
+            num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+            for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WARP_SPECIALIZE,
+                                 warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+                _tma_tile(a_desc, b_desc, c_ptr, bias_ptr, tile, M, N, K, stride_cm, stride_cn, stride_bias_m,
+                          stride_bias_n, beta, alpha, HAS_BIAS, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                          B_NK)  # fmt: skip
+        else:
+            _tma_tile(a_desc, b_desc, c_ptr, bias_ptr, tl.program_id(0), M, N, K, stride_cm, stride_cn, stride_bias_m,
+                      stride_bias_n, beta, alpha, HAS_BIAS, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      B_NK)  # fmt: skip
 
     @triton.jit
     def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
@@ -479,15 +552,54 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
     if bias is not None:
         bias = torch.broadcast_to(bias, (m, n))
     t = tiling or tiling_for(m, n, k)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     on = pdl.enabled(a.device)
-    _invariant_matmul_kernel[grid](
+    if t.tma and _tma_describes(a, b):
+        b_nk = b.stride(0) == 1  # a transposed weight: described as the (N, K) tensor it views
+        a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.block_m, t.block_k])
+        if b_nk:
+            b_desc = TensorDescriptor(b, [n, k], [b.stride(1), 1], [t.block_n, t.block_k])
+        else:
+            b_desc = TensorDescriptor(b, [k, n], [b.stride(0), 1], [t.block_k, t.block_n])
+        sms = _num_sms(a.device) if t.persistent else 0
+        _invariant_matmul_tma_kernel[(min(tiles, sms) if t.persistent else tiles,)](
+            a_desc, b_desc, out, bias if bias is not None else out, m, n, k, out.stride(0), out.stride(1),
+            *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha), HAS_BIAS=bias is not None,
+            SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+            B_NK=b_nk, PERSISTENT=t.persistent, NUM_SMS=sms, WARP_SPECIALIZE=t.warp_specialize, PDL=on,
+            num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+        )  # fmt: skip
+        return out
+    _invariant_matmul_kernel[(tiles,)](
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
+
+
+def _tma_describes(a: Tensor, b: Tensor) -> bool:
+    """Whether the TMA can load a (M, K) and b (K, N) as they are: 16-byte aligned bases and row strides, a's K and one
+    of b's dims contiguous."""
+    if TensorDescriptor is None:
+        return False
+    size = a.element_size()
+
+    def aligned(t: Tensor, row_stride: int) -> bool:
+        return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0
+
+    b_ok = (b.stride(0) == 1 and aligned(b, b.stride(1))) or (b.stride(1) == 1 and aligned(b, b.stride(0)))
+    return a.stride(1) == 1 and aligned(a, a.stride(0)) and b_ok
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tree_matmul(a: Tensor, b: Tensor, chunks: int) -> Tensor:
