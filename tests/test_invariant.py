@@ -67,19 +67,19 @@ def test_invariant_attention_is_the_same_in_prefill_chunks_decode_and_packing(dt
 
 
 def test_compiled_model_logits_do_not_depend_on_the_batch():
-    """Our Llama compiled with invariant="batch": a sequence's logits alone and packed with others at M from 4 to
-    420, at several places; the report names what was swapped."""
+    """Our Llama compiled with invariant="batch": a sequence's logits alone (M = 1 to 37) and packed with others at M
+    from 6 to 1051, at several places; the report names what was swapped."""
     torch._dynamo.reset()  # Dynamo's recompile limit counts every compile of this model class in the process
     model = build_model("tiny", tp=TPContext.single(), dtype=torch.float32, **WIDE)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
-    others = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 100, 250, 3, 64)]
+    others = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 100, 250, 3, 64, 600)]
     with torch.no_grad():
         for length in (1, 3, 6, 37):
             target = torch.randint(0, vocab, (length,), generator=g)
             alone = compiled(*pack([target]).args())
-            for layout in ([0, 1], [1, 0], [2, 0, 3], [4, 3, 0, 5]):
+            for layout in ([0, 1], [1, 0], [2, 0, 3], [4, 3, 0, 5], [6, 3, 0, 5, 2]):
                 seqs = [target if i == 0 else others[i - 1] for i in layout]
                 start = sum(len(s) for s in seqs[: layout.index(0)])
                 got = compiled(*pack(seqs).args())[start : start + length]
