@@ -3,6 +3,8 @@ front end and ptxas check every kernel, its inline PTX included (a wrong registe
 constraint otherwise shows only on the device). Skipped without triton; CI runs it with the box's
 Triton (.ci/run). What it cannot check: anything at run time (results, races, speed)."""
 
+import itertools
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -21,13 +23,19 @@ H100_H200 = GPUTarget("cuda", 90, 32)
 PTR = {"bfloat16": "*bf16", "float32": "*fp32"}
 
 
-def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int = 3):
-    """The kernel compiled for sm_90a. arg_types: Triton type of every runtime argument ("*bf16", "i32", ...)."""
+def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int = 3,
+                   aligned: tuple[str, ...] = ()):  # fmt: skip
+    """The kernel compiled for sm_90a. arg_types: Triton type of every runtime argument ("*bf16", "i32", ...);
+    aligned: the arguments a launch passes 16-byte aligned (pointers) or divisible by 16 (integers), which Triton
+    compiles a kernel of their own for (the one the GPU runs; without, the kernel for unaligned arguments)."""
     missing = set(fn.arg_names) - set(arg_types) - set(constexprs)
     assert not missing, f"arguments without a type: {missing}"
     signature = {name: arg_types.get(name, "constexpr") for name in fn.arg_names}
     source = ASTSource(
-        fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned},
     )
     return triton.compile(source, target=H100_H200, options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -51,6 +59,22 @@ def loads_before_wait(kernel) -> bool:
     head = sass.split("ACQBULK")[0]
     assert head != sass, "no griddepcontrol.wait (ACQBULK) in the kernel"
     return "LDG" in head
+
+
+def spill_bytes(kernel) -> int | None:
+    """Bytes the compiled kernel spills to local memory (stores + loads), by ptxas -v on its PTX; None where Triton
+    ships no ptxas."""
+    ptxas = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+    if not ptxas.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                                text=True, check=True).stderr  # fmt: skip
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert found, report
+    return int(found.group(1)) + int(found.group(2))
 
 
 def _norm_meta(hidden, world, has_residual, weight_fp32):
@@ -367,6 +391,15 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     if paged and group == 4:  # a pool of 2**31 elements or more; offsets and lengths read as int64 where passed so
         assert "wgmma.mma_async" in compiled(OFF64=True).asm["ptx"]
         assert "wgmma.mma_async" in compiled("*i64").asm["ptx"]
+    if paged and group == 4:  # as launched (aligned pointers, strides and block size): 16-byte async copies of K/V
+        aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
+        plans = ((ik.ATTENTION_ROWS, 1, launch.num_warps), (16, 1, 4), (16, 4, 8))  # rows, sub-tiles, warps
+        for (rows, sub, warps), split_k in itertools.product(plans, (False, True)):
+            over = dict(TOKENS=rows // group_pad, SUB=sub, SPLIT_K=split_k, OFF64=False)
+            kernel = compile_kernel(fn, types_of(fn), meta | over, num_warps=warps, num_stages=launch.num_stages,
+                                    aligned=aligned)  # fmt: skip
+            assert "cp.async.cg.shared.global" in kernel.asm["ptx"], (rows, sub, split_k)
+            assert spill_bytes(kernel) in (0, None), (rows, sub, warps, split_k, spill_bytes(kernel))
     fn = ik._merge_chunks_kernel
     for sub in (1, 4) if paged and group == 4 else (1,):
         kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub), num_warps=4)

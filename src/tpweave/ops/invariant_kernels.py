@@ -359,9 +359,8 @@ if triton is not None:
     def _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                     block_size, CHUNK: tl.constexpr, PAGED: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
         """Keys c0..c0+CHUNK-1 of a sequence: (their K rows' and V rows' offsets in the pool, their positions, which
-        exist). The offsets are int32 unless the pool has 2**31 elements or more (OFF64): a (CHUNK, HEAD_DIM) tile
-        of 64-bit addresses took registers enough to spill (ptxas for sm_90a, 64 rows, 4 warps: 367 spill instructions
-        against 147)."""
+        exist). The offsets are int32 unless the pool has 2**31 elements or more (OFF64): fewer registers (ptxas for
+        sm_90a, 64 rows, 4 warps, launched with 16-byte aligned pointers and strides: 243 against 248, no spill)."""
         t = c0 + tl.arange(0, CHUNK)
         t_ok = t < kv_len
         if PAGED:
