@@ -24,6 +24,7 @@ TILINGS = {
     "64x64": ik.SMALL_M_TILING,
     "64x32k128": ik.SMALL_M_LONG_K_TILING,
     "128x64": ik.MID_M_TILING,
+    "64x128": ik.WIDE_SMALL_M_TILING,
     "128x128": ik.LARGE_M_TILING,
     "128x256": ik.LARGE_M_WIDE_TILING,
     "16x64": replace(ik.SMALL_M_TILING, block_m=16),

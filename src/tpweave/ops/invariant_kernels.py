@@ -73,6 +73,17 @@ class AttentionLaunch:
     subtiles: int = 1
 
 
+def launch_for(num_tokens: int, num_seqs: int, group_pad: int) -> AttentionLaunch:
+    """The default plan for a call of these shapes (shapes only: a CUDA graph's bucket fixes it): ATTENTION_ROWS rows
+    a product in every call; below 64 rows, where the call's sequences hold a full tile of 4 sub-tiles on average (a
+    prefill, not decodes), 4 sub-tiles a program sharing each chunk's K/V loads, on 8 warps (on 4 they spill; ptxas
+    for sm_90a)."""
+    tokens = max(1, ATTENTION_ROWS // group_pad)
+    if ATTENTION_ROWS < 64 and num_tokens >= 4 * tokens * num_seqs:
+        return AttentionLaunch(num_warps=8, subtiles=4)
+    return AttentionLaunch()
+
+
 @dataclass(frozen=True)
 class MatmulTiling:
     """A launch shape of the invariant matmul. An element's reduction order is the tensor cores' 16-deep steps over K,
@@ -105,10 +116,12 @@ LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=
 LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
 TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, MID_M_TILING, LARGE_M_TILING, LARGE_M_WIDE_TILING)
 # Candidates through the TMA, not chosen by `tiling_for` until timed on a GPU (benchmarks/probes/invariant_mm_probe.py
-# times them and checks their bits): each tiling above, one tile per program and persistent; the large ones with
-# warp specialization; a deeper 128 x 256; and 16-column tiles that give a decode's narrow products 4x the programs.
+# times them and checks their bits): each tiling above and 64 x 128 (m64n128 MMAs, twice the tiles of 128 x 128 for
+# the 64 to 512 rows where 128 x 128 leaves SMs idle), one tile per program and persistent; the large ones with warp
+# specialization; a deeper 128 x 256; and 16-column tiles that give a decode's narrow products 4x the programs.
+WIDE_SMALL_M_TILING = MatmulTiling(block_n=128, num_stages=5)
 TMA_TILINGS = (
-    *(replace(t, tma=True, persistent=p) for t in TILINGS for p in (False, True)),
+    *(replace(t, tma=True, persistent=p) for t in (*TILINGS, WIDE_SMALL_M_TILING) for p in (False, True)),
     *(replace(t, tma=True, persistent=True, warp_specialize=True) for t in (LARGE_M_TILING, LARGE_M_WIDE_TILING)),
     replace(LARGE_M_WIDE_TILING, num_stages=4, tma=True, persistent=True),
     MatmulTiling(block_n=16, block_k=128, num_stages=8, tma=True),
@@ -652,12 +665,12 @@ def attention(
     num_kv = k.shape[1]
     group = num_heads // num_kv
     group_pad = _group_pad(group)
-    lp = launch or AttentionLaunch()
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    lp = launch or launch_for(num_tokens, num_seqs, group_pad)
     if lp.subtiles not in (1, 2, 4):
         raise ValueError(f"invariant attention: {lp.subtiles} sub-tiles per program (1, 2 or 4)")
     tokens = max(1, lp.rows // group_pad)  # per sub-tile; a tile holds lp.subtiles x tokens
     tile_tokens = lp.subtiles * tokens
-    num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return q_MHD.new_zeros(q_MHD.shape)
     out = q_MHD.new_empty(q_MHD.shape)  # every row written: a tile's, or zeros after the last sequence's
