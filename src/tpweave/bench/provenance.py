@@ -8,6 +8,7 @@ sources hash to the manifest's ran that commit, clean; any other difference make
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import subprocess
 from pathlib import Path
@@ -128,6 +129,13 @@ def commit_source_hash(commit: str) -> str | None:
     return _commit_hashes([commit]).get(commit)
 
 
+@functools.lru_cache(maxsize=4)
+def _history_hashes(commits: tuple[str, ...]) -> dict[str, str]:
+    """_commit_hashes of a run of commits, kept: a commit's sources never change, and a report describing many
+    results walks the same history for each (300 `git ls-tree` calls apiece)."""
+    return _commit_hashes(list(commits))
+
+
 def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | None:
     """The commit (of this checkout's last `max_commits`) that brought in the newest src/tpweave with this
     source_hash: the oldest of the run of commits that have it, so commits that leave the sources alone do not
@@ -135,7 +143,7 @@ def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | No
     if not digest:
         return None
     commits = (_git("rev-list", f"--max-count={max_commits}", "HEAD") or "").split()
-    hashes = _commit_hashes(commits)
+    hashes = _history_hashes(tuple(commits))
     found = None
     for commit in commits:  # newest first
         if hashes.get(commit) == digest:
