@@ -30,9 +30,10 @@ def _close(a, b, dtype):
 
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 def test_llama_sp_async_tp_equals_eager_and_single_rank(tp, reference_logits):
-    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", TOKEN_COUNTS, ("float32", "bfloat16"), nprocs=tp)
+    dtypes = ("float32",) if tp == 8 else ("float32", "bfloat16")  # 8 ranks on CI's 2 cores: one dtype
+    results = tpweave.launch(workers.llama_compiled_outputs, "tiny", TOKEN_COUNTS, dtypes, nprocs=tp)
     for rank_out in results:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in dtypes:
             assert 1 <= rank_out[(dtype, "num_compiles")] <= MAX_GRAPHS, rank_out[(dtype, "report")]
             for variant, before, after, sites in rank_out[(dtype, "graphs")]:
                 assert variant == "sp"
@@ -204,12 +205,13 @@ def test_batch_seq_model_graphs_and_inductor_failure_fallbacks():
 ONE_ROW_SHAPES = [(1, 64), (1, 65), (1, 2), (1, 3), (1, 5), (1, 129), (1, 1)]  # (batch, seq), in this order
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [2, 3])
 def test_one_graph_where_token_shards_have_one_row(tp):
     """seq (or M) = 2..TP has ceil(M/TP) = 1 token per shard: shards are padded to 2 rows
     (ops/collectives.py `shard_rows`), so no meta function or lowering guards on a one-row shard and
-    the first graph serves every M >= 2; M = 1 gets its own. A (batch, seq) model and our packed
-    model (token ids of shape (M,)); compiled logits equal the uncompiled model's at every shape."""
+    the first graph serves every M >= 2; M = 1 gets its own (at TP 3, M = 2 leaves a rank no token). A (batch, seq)
+    model and our packed model (token ids of shape (M,)); compiled logits equal the uncompiled model's at every
+    shape."""
     counts = [s * b for b, s in ONE_ROW_SHAPES]
     for model_name, shapes in (("ForeignModel", ONE_ROW_SHAPES), ("tiny", counts)):
         for rank_out in tpweave.launch(workers.graphs_per_call, model_name, shapes, nprocs=tp):
@@ -594,14 +596,15 @@ def test_the_interleaving_check_catches_lock_step_subsets():
     assert uninterleaved_all_reduces(staggered) == []
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [2, 3])
 def test_token_split_equals_unsplit_and_single_rank_and_interleaves(tp, reference_logits):
     """The plain TP graph as two token subsets (compiler/token_split.py), the split variant from M = 4 on:
     logits equal eager TP and the unsharded model at M odd, M < 2 x TP, and batches of three sequences whose
     split falls inside one; one split graph for every M >= 4; every layer's two all-reduces run once per
-    subset, each (but the last) with the other subset's matmuls between its start and its wait. TP 2 and 4:
-    each subset's all-reduce + residual + RMSNorm as the fused op started on a side stream (composed on CPU),
-    waited for where the all-reduce was; TP 3: token_split_sms=0, the process group's all-reduces."""
+    subset, each (but the last) with the other subset's matmuls between its start and its wait. TP 2: each
+    subset's all-reduce + residual + RMSNorm as the fused op started on a side stream (composed on CPU), waited for
+    where the all-reduce was; TP 3: token_split_sms=0, the process group's all-reduces. (TP 4's split graph:
+    tests/test_invariant.py, under the ordered strategies.)"""
     counts = [1, 3, 5, 64, 129, 1000]  # 1000: subset A rounded to whole 128-row tiles, in the same graph
     dtypes = ("float32", "bfloat16")
     fused = tp != 3

@@ -41,7 +41,7 @@ def fp8_reference():
     return workers.fp8_outputs(single, "tiny-fp8", COUNTS, compile_model=False), bf16
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2])
 def test_fp8_tp_matches_single_rank_and_gathers_fp8(tp, fp8_reference):
     ref, bf16 = fp8_reference
     results = tpweave.launch(workers.fp8_outputs, "tiny-fp8", COUNTS, nprocs=tp)
