@@ -598,8 +598,8 @@ def _tma_describes(a: Tensor, b: Tensor) -> bool:
         return False
     size = a.element_size()
 
-    def aligned(t: Tensor, row_stride: int) -> bool:
-        return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0
+    def aligned(t: Tensor, row_stride: int) -> bool:  # a broadcast (stride 0) row is no tensor map's
+        return t.data_ptr() % 16 == 0 and row_stride > 0 and (row_stride * size) % 16 == 0
 
     b_ok = (b.stride(0) == 1 and aligned(b, b.stride(1))) or (b.stride(1) == 1 and aligned(b, b.stride(0)))
     return a.stride(1) == 1 and aligned(a, a.stride(0)) and b_ok
