@@ -82,9 +82,9 @@ def main() -> None:
             print(f"{name:8s} m={m:<5d} cublas {row['cublas_ms']:.4f} default {row['default_ms']:.4f} ({plan}) "
                   f"best {best[0]:.4f} {best[1]} best TMA {tma[0]:.4f} {tma[1]} other bits: {differ or 'none'}",
                   flush=True)  # fmt: skip
-    out = Path(args.out) / "invariant_mm_probe.json"
-    tilings = {k: asdict(t) for k, t in TILINGS.items()}
-    out.write_text(json.dumps({"tilings": tilings, "rows": rows}, indent=1))
+            out = Path(args.out) / "invariant_mm_probe.json"  # after every row: a run cut short keeps its rows
+            tilings = {k: asdict(t) for k, t in TILINGS.items()}
+            out.write_text(json.dumps({"tilings": tilings, "rows": rows}, indent=1))
     print("wrote", out)
 
 
