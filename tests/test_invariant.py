@@ -413,26 +413,6 @@ def test_invariant_attention_at_16_row_tiles_is_invariant_on_the_gpu():
 
 
 @pytest.mark.gpu(gpus=1)
-def test_invariant_matmul_through_the_tma_gives_the_pointer_kernels_bits_on_the_gpu():
-    """The matmul's TMA candidates (invariant_kernels.TMA_TILINGS: one tile a program, persistent, warp-specialized;
-    the same warpgroup MMA steps over K in order): a row's bits those of the default launch at 1, 65 and 2048 rows,
-    the weight transposed and (K, N), so any of them can be picked per M without changing a row."""
-    from tpweave.ops import invariant_kernels
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for n, k in ((6144, 4096), (4096, 14336)):
-        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        x = torch.randn(2048, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        full = invariant_kernels.matmul(x, w.t())
-        for tiling in invariant_kernels.TMA_TILINGS:
-            for m in (1, 65, 2048):
-                assert torch.equal(invariant_kernels.matmul(x[:m], w.t(), tiling=tiling), full[:m]), (n, k, m, tiling)
-        w_kn = w.t().contiguous()
-        for tiling in invariant_kernels.TMA_TILINGS[:2]:
-            assert torch.equal(invariant_kernels.matmul(x[:65], w_kn, tiling=tiling), full[:65]), (n, k, tiling)
-
-
-@pytest.mark.gpu(gpus=1)
 def test_tp_level_on_emulated_ranks_gives_tp_1s_bits_on_the_gpu():
     """invariant="tp" on the GPU in bf16 (the Triton tree product and attention): our Llama's logits alone and packed
     (plain, token-split and SP graphs) at TP 2 and 4, ranks emulated as processes sharing the GPU (gloo, the
@@ -490,3 +470,26 @@ def test_async_tp_ops_under_the_ordered_strategies_give_the_unfused_ops_bits_and
             start, wait = events.index("start"), events.index("wait")
             # a product under the collective (this rank's rows), another outside it (the other ranks' rows)
             assert "mm" in events[start:wait] and "mm" in events[:start] + events[wait:], (name, kind, events)
+
+
+@pytest.mark.gpu(gpus=1)
+@pytest.mark.parametrize("warp_specialized", [False, True])  # last in this file: a hang there loses only them
+def test_invariant_matmul_through_the_tma_gives_the_pointer_kernels_bits_on_the_gpu(warp_specialized):
+    """The matmul's TMA candidates (invariant_kernels.TMA_TILINGS: one tile a program, persistent, and Triton's warp
+    specialization, new on Hopper, apart; the same warpgroup MMA steps over K in order): a row's bits those of the
+    default launch at 1, 65 and 2048 rows, the weight transposed and (K, N), so any of them can be picked per M
+    without changing a row."""
+    from tpweave.ops import invariant_kernels
+
+    tilings = [t for t in invariant_kernels.TMA_TILINGS if t.warp_specialize == warp_specialized]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((6144, 4096), (4096, 14336)):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        x = torch.randn(2048, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        full = invariant_kernels.matmul(x, w.t())
+        for tiling in tilings:
+            for m in (1, 65, 2048):
+                assert torch.equal(invariant_kernels.matmul(x[:m], w.t(), tiling=tiling), full[:m]), (n, k, m, tiling)
+        w_kn = w.t().contiguous()
+        for tiling in tilings[:2]:
+            assert torch.equal(invariant_kernels.matmul(x[:65], w_kn, tiling=tiling), full[:65]), (n, k, tiling)
