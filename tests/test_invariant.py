@@ -216,19 +216,20 @@ def test_hugging_face_llama_under_its_own_tp_plan_is_batch_invariant(tmp_path, t
         assert calls.get("sp", 0) > 0 and calls.get("plain", 0) > 0, calls
 
 
-def test_hugging_face_llama_under_its_own_tp_plan_gives_tp_1s_bits_at_tp_2(tmp_path):
-    """invariant="tp", transformers' Llama under its own TP plan: a prompt's logits at TP 2 (plain and SP graphs: each
-    row-parallel product reaches its sum through a (B, S, N) reshape; the SP graph's under async TP's `ordered_tp`)
-    bitwise those at TP 1, alone and batch-invariant in right-padded batches; in the plain graph each row-parallel
-    product and its sum one op (the report)."""
+def test_hugging_face_llama_under_its_own_tp_plan_gives_tp_1s_bits_at_tp_4(tmp_path):
+    """invariant="tp", transformers' Llama under its own TP plan: a prompt's logits at TP 4 (two of the tree's 8 K
+    chunks a rank; plain and SP graphs: each row-parallel product reaches its sum through a (B, S, N) reshape; the SP
+    graph's under async TP's `ordered_tp`) bitwise those at TP 1, alone and batch-invariant in right-padded batches;
+    in the plain graph each row-parallel product and its sum one op (the report). (TP 2 at this level: our Llama's
+    tests; transformers' Llama at TP 2: the batch level's.)"""
     import workers
 
     one = workers.hf_invariant_logits(TPContext.single(), str(tmp_path / "one"), "tp")
-    two = tpweave.launch(workers.hf_invariant_logits, str(tmp_path / "two"), "tp", nprocs=2, timeout_s=600)[0]
-    for equal, swaps, _, _ in (one, two):
+    many = tpweave.launch(workers.hf_invariant_logits, str(tmp_path / "many"), "tp", nprocs=4, timeout_s=600)[0]
+    for equal, swaps, _, _ in (one, many):
         assert all(equal) and all(s["not_invariant"] == {} for s in swaps), (equal, swaps)
-    assert any(s["swapped"].get("mm + tpweave.all_reduce.default") == 4 for s in two[1]), two[1]
-    for want, got in zip(one[3], two[3], strict=True):
+    assert any(s["swapped"].get("mm + tpweave.all_reduce.default") == 4 for s in many[1]), many[1]
+    for want, got in zip(one[3], many[3], strict=True):
         assert torch.equal(got, want), (got - want).abs().max()
 
 
