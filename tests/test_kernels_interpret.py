@@ -113,7 +113,7 @@ def _check_invariant_kernels() -> None:
     # halves: 200 bytes, not a multiple of 16) run the pointer kernel
     from dataclasses import replace
 
-    invariant_kernels._num_sms = lambda device: 3  # 3 persistent programs for the 2 x 2 tiles
+    invariant_kernels.num_sms = lambda device: 3  # 3 persistent programs for the 2 x 2 tiles
     a96, w96 = torch.randn(70, 96, generator=gen).half(), torch.randn(88, 96, generator=gen).half()
     cases = ((a96, w96.t(), bias[:88]), (a96, w96.t().contiguous(), bias[:88]), (a, w.t(), bias))
     assert [invariant_kernels._tma_describes(x[33:], b) for x, b, _ in cases] == [True, True, False]
@@ -232,7 +232,7 @@ def _check_argmax() -> None:
 
     g = torch.Generator().manual_seed(0)
     argmax.supported = lambda logits: True  # the interpreter runs the kernels on CPU tensors
-    argmax._sms = lambda device: 132
+    argmax.num_sms = lambda device: 132
     checked = 0
     for rows, cols in [(1, 1), (1, 7), (3, 5000), (2, 20000), (1, 70000), (64, 4099), (300, 2100)]:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -12,10 +12,10 @@ until this one is measured faster on a GPU (benchmarks/probes/decode_step_gpu_pr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
+
+from tpweave.ops.device import num_sms
 
 try:
     import triton
@@ -39,15 +39,6 @@ def supported(logits: Tensor) -> bool:
         and logits.stride(1) == 1
         and 0 < logits.shape[1] < _NONE
     )
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def slice_plan(rows: int, cols: int, num_sms: int) -> tuple[int, int]:
@@ -124,7 +115,7 @@ def argmax_rows(logits: Tensor, *, out: Tensor | None = None) -> Tensor:
     rows, cols = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    slices, per_slice = slice_plan(rows, cols, _sms(logits.device))
+    slices, per_slice = slice_plan(rows, cols, num_sms(logits.device))
     direct = slices == 1
     vals = out if direct else torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     idxs = out if direct else torch.empty((rows, slices), dtype=torch.int32, device=logits.device)

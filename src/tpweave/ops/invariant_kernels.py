@@ -36,13 +36,13 @@ step at batch 1 (benchmarks/results/2026-12-05/engine-llama3-8b-tp1-1xH200-ak-in
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from tpweave.ops import pdl
+from tpweave.ops.device import num_sms
 
 try:
     import triton
@@ -573,7 +573,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
             b_desc = TensorDescriptor(b, [n, k], [b.stride(1), 1], [t.block_n, t.block_k])
         else:
             b_desc = TensorDescriptor(b, [k, n], [b.stride(0), 1], [t.block_k, t.block_n])
-        sms = _num_sms(a.device) if t.persistent else 0
+        sms = num_sms(a.device) if t.persistent else 0
         _invariant_matmul_tma_kernel[(min(tiles, sms) if t.persistent else tiles,)](
             a_desc, b_desc, out, bias if bias is not None else out, m, n, k, out.stride(0), out.stride(1),
             *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha), HAS_BIAS=bias is not None,
@@ -603,15 +603,6 @@ def _tma_describes(a: Tensor, b: Tensor) -> bool:
 
     b_ok = (b.stride(0) == 1 and aligned(b, b.stride(1))) or (b.stride(1) == 1 and aligned(b, b.stride(0)))
     return a.stride(1) == 1 and aligned(a, a.stride(0)) and b_ok
-
-
-@functools.lru_cache(maxsize=16)
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tree_matmul(a: Tensor, b: Tensor, chunks: int) -> Tensor:

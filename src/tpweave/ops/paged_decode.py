@@ -11,13 +11,13 @@ stores it at its slot, so no program reads a slot that another one writes in the
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from tpweave.ops import pdl
+from tpweave.ops.device import num_sms
 
 try:
     import triton
@@ -214,11 +214,6 @@ if triton is not None:
         tl.store(out_ptr + seq * stride_outm + head * stride_outh + d, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def split_plan(
     num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, tuning: DecodeTuning = DEFAULT_TUNING
 ) -> tuple[int, int]:
@@ -254,7 +249,7 @@ def paged_decode(
     for name, t in (("q", q_MHD), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert t.stride(-1) == 1, f"{name} needs a contiguous head dim"
     splits, per_split = split_plan(
-        num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q_MHD.device.index or 0), tuning
+        num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms(q_MHD.device), tuning
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_MHD.dtype, device=q_MHD.device)
     on = pdl.enabled(q_MHD.device)
