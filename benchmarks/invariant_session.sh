@@ -39,7 +39,7 @@ for step in $STEPS; do
         (cd benchmarks/probes && timeout 240 python invariant_attention_probe.py --out "$R") > "$R/attention.log" 2>&1
         echo "rc=$?" >> "$R/attention.log" ;;
     matmul)
-        timeout 420 python benchmarks/probes/invariant_mm_probe.py --out "$R" > "$R/matmul.log" 2>&1
+        timeout "${MATMUL_TIMEOUT_S:-420}" python benchmarks/probes/invariant_mm_probe.py --out "$R" > "$R/matmul.log" 2>&1
         echo "rc=$?" >> "$R/matmul.log" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
     esac
