@@ -400,17 +400,16 @@ def _attention_bits_agree_on_the_gpu(launch, prefill_launch=None) -> None:
 
 
 @pytest.mark.gpu(gpus=1)
-def test_invariant_attention_at_16_row_tiles_is_invariant_on_the_gpu():
-    """The invariant attention with every call at 16-row products (mma.sync instead of wgmma; faster at decode sizes,
-    benchmarks/results/2026-12-04/probes/invariant_attention_probe-1xH200-479cb46.log, but not the default plan's
-    bits): a query's output the same in a prefill (one product a program, or four sharing each chunk's K/V), a
-    chunk, a decode and packed among others."""
-    from tpweave.ops import invariant_kernels
+def test_invariant_attention_gives_a_row_the_same_bits_under_every_plan_on_the_gpu():
+    """Every call at 16, 32 or 128 rows a product (mma.sync below 64 rows, two warpgroups at 128), on 4 or 8 warps,
+    one or four products a program: a query's output the bits of the 64-row prefill's in a prefill, a chunk, a decode
+    and packed among others (the exps' sums on the tensor cores; tl.sum's order would follow the rows and warps)."""
+    from tpweave.ops.invariant_kernels import AttentionLaunch
 
-    one = invariant_kernels.AttentionLaunch(rows=16)
-    _attention_bits_agree_on_the_gpu(launch=one)
-    four = invariant_kernels.AttentionLaunch(rows=16, subtiles=4, num_warps=8)  # launch_for's plan for a prefill
-    _attention_bits_agree_on_the_gpu(launch=one, prefill_launch=four)
+    plans = (AttentionLaunch(rows=16), AttentionLaunch(rows=16, num_warps=8), AttentionLaunch(rows=32),
+             AttentionLaunch(rows=16, subtiles=4), AttentionLaunch(rows=128, num_warps=8))  # fmt: skip
+    for plan in plans:
+        _attention_bits_agree_on_the_gpu(launch=plan, prefill_launch=AttentionLaunch(rows=64))
 
 
 @pytest.mark.gpu(gpus=1)

@@ -300,18 +300,24 @@ def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
 
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_invariant_matmul_kernel_compiles(has_bias):
-    """The batch-invariant matmul at each of its launch shapes, on the tensor cores' warpgroup MMA, under PDL with no
-    load before its wait."""
-    from tpweave.ops import invariant_kernels
+    """The batch-invariant matmul at each of its launch shapes, on the tensor cores' warpgroup MMA from 64 rows and
+    mma.sync below, under PDL with no load before its wait; every launch shape `tiling_for` picks is one compiled
+    here or in the TMA kernel's test."""
+    from tpweave.ops import invariant_kernels as ik
 
-    fn = invariant_kernels._invariant_matmul_kernel
+    fn = ik._invariant_matmul_kernel
     types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", M="i32", N="i32", K="i32")
     types |= dict(beta="fp32", alpha="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
-    for t in invariant_kernels.TILINGS:
+    for t in ik.TILINGS:
         meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                     GROUP_M=t.group_m, PDL=True)  # fmt: skip
         kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
-        assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+        ptx = kernel.asm["ptx"]
+        assert ("wgmma.mma_async" in ptx) == (t.block_m >= 64) and ("mma.sync" in ptx) == (t.block_m < 64), t
+        assert not loads_before_wait(kernel), t
+    shapes = itertools.product((1, 16, 17, 64, 65, 128, 200, 256, 300, 512, 513, 2048, 8192), (1024, 4096, 6144, 28672),
+                               (1024, 4096, 14336))  # fmt: skip
+    assert {ik.tiling_for(m, n, k) for m, n, k in shapes} <= {*ik.TILINGS, *ik.TMA_TILINGS}
 
 
 def test_invariant_matmul_tma_kernel_compiles():
@@ -359,9 +365,9 @@ def test_tree_matmul_kernel_compiles():
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
-    """The invariant attention, one program per tile and one per key chunk (both on wgmma at the default 64 rows), and
-    the chunks' merge, under PDL with no load before the wait; at 16 rows on mma.sync, with 1 and 4 sub-tiles a
-    program; with 64-bit pool offsets and int64 sequence offsets."""
+    """The invariant attention, one program per tile and one per key chunk (both on wgmma at 64 rows), and the chunks'
+    merge, under PDL with no load before the wait; at 16 rows on mma.sync, with 1 and 4 sub-tiles a program; with
+    64-bit pool offsets and int64 sequence offsets; each plan `launch_for` picks without spills."""
     from tpweave.ops import invariant_kernels as ik
 
     def types_of(fn, index="*i32"):
@@ -393,7 +399,9 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
         assert "wgmma.mma_async" in compiled("*i64").asm["ptx"]
     if paged and group == 4:  # as launched (aligned pointers, strides and block size): 16-byte async copies of K/V
         aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
-        plans = ((ik.ATTENTION_ROWS, 1, launch.num_warps), (16, 1, 4), (16, 4, 8))  # rows, sub-tiles, warps
+        calls = ((2048, 1), (576, 65), (256, 256), (1, 1))  # (tokens, sequences): a prefill, a mixed step, decodes
+        plans = {(lp.rows, lp.subtiles, lp.num_warps) for lp in (ik.launch_for(*c, group_pad) for c in calls)}
+        assert {rows for rows, _, _ in plans} == {ik.ATTENTION_ROWS, ik.DECODE_ROWS}
         for (rows, sub, warps), split_k in itertools.product(plans, (False, True)):
             over = dict(TOKENS=rows // group_pad, SUB=sub, SPLIT_K=split_k, OFF64=False)
             kernel = compile_kernel(fn, types_of(fn), meta | over, num_warps=warps, num_stages=launch.num_stages,

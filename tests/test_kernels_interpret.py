@@ -161,12 +161,13 @@ def _check_invariant_kernels() -> None:
         torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
         # one program per key chunk, then their merge: the same bits as one program per tile
         assert torch.equal(invariant_kernels.attention(q, k_cache, v_cache, cu, split=True, **paged), got)
-        # sub-tiles sharing a chunk's K/V loads: each its own product over its rows, the same bits as one per
-        # program, at the default row count and at 16 rows
+        # 64 and 16 rows a product, and sub-tiles sharing a chunk's K/V loads (each its own product over its rows):
+        # the same bits as one 64-row product a program
         if heads == 8:
             for rows in (64, 16):
                 alone = invariant_kernels.AttentionLaunch(rows=rows)
                 one = invariant_kernels.attention(q, k_cache, v_cache, cu, split=False, launch=alone, **paged)
+                assert torch.equal(one, got), rows
                 for sub, split in ((2, False), (4, False), (4, True)):
                     launch = invariant_kernels.AttentionLaunch(rows=rows, subtiles=sub)
                     got_sub = invariant_kernels.attention(q, k_cache, v_cache, cu, split=split, launch=launch, **paged)

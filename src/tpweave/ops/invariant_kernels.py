@@ -9,7 +9,7 @@ the same way whatever M is and wherever its row sits. The launch shape (tile siz
 would let decode sizes run split-K with the same bits at every M, but the chunk boundaries stall the pipeline at
 every M: 11-24% slower at 2048 rows on one H200, and the split kernels were no faster at one row.) The same tiles and
 K walk with A and B loaded by the TMA (`_invariant_matmul_tma_kernel`: one tile a program, or persistent programs)
-issue the same warpgroup MMA instructions in the same order; they are candidates (`TMA_TILINGS`) until timed.
+issue the same warpgroup MMA instructions in the same order (`tiling_for` picks them from 17 rows up).
 
 The "tp" level's tree product (`tree_matmul`, ops/invariant.py K_CHUNKS): the same walk over each of K's 1, 2, 4 or 8
 equal chunks into an fp32 tile of its own, the chunks' tiles summed pairwise in the program, neighbours first, and
@@ -17,14 +17,15 @@ one launch shape at every shape: a rank's product over its chunks of a row-paral
 subtree over them.
 
 Attention, over a paged pool or a packed batch: a program owns one kv head and a tile of TOKENS consecutive new
-tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows). It walks the keys in chunks
-of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last query position. Each chunk's softmax state
-is computed on its own (scores through tl.dot, a causal mask, the chunk's max, exp, sum, and the exp-weighted values
-through tl.dot, in fp32) and merged into the row's running state in key order (_merge_state). A chunk wholly past a
-row's position has the empty state, whose merge changes nothing, so a row's result does not depend on which tile it
-is in, how many tokens the tile holds, or whether the step is a prefill, a chunk or a decode. Where (tiles x kv heads)
-programs would not fill the GPU (decodes of few sequences), one program per (tile, kv head, chunk) writes its chunk's
-state and a second kernel merges them in the same order: the same bits, more programs.
+tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows: 64 for prefills, 16 for decodes,
+`launch_for`). It walks the keys in chunks of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last
+query position. Each chunk's softmax state is computed on its own (scores through tl.dot, a causal mask, the chunk's
+max and exp in fp32; the exps' sum and the exp-weighted values through tl.dot, so that no sum's order follows the
+tile's rows or warps) and merged into the row's running state in key order (_merge_state). A chunk wholly past a row's
+position has the empty state, whose merge changes nothing, so a row's result does not depend on which tile it is in,
+how many tokens or rows the tile holds, or whether the step is a prefill, a chunk or a decode. Where (tiles x kv
+heads) programs would not fill the GPU (decodes of few sequences), one program per (tile, kv head, chunk) writes its
+chunk's state and a second kernel merges them in the same order: the same bits, more programs.
 
 Tiles without a host sync and without a launch of their own: sequence b's new tokens take cdiv(q_len_b, TOKENS) tiles;
 the grid has the upper bound cdiv(M, TOKENS) + B programs per kv head, and a program finds its sequence by counting
@@ -56,16 +57,16 @@ except ImportError:  # no Triton, or one without host-side TMA descriptors: the 
 
 KV_CHUNK = 64  # key positions per attention step (ops/invariant.py's CPU path walks the same chunks)
 ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per attention program: one wgmma's M
+DECODE_ROWS = 16  # the same where a call's sequences hold few new tokens each: one mma.sync's M
 SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
 SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
 
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """The attention kernel's query rows per product (tokens x padded q heads of one kv head), products per program
-    (`subtiles`: 1, 2 or 4, each over its own rows, all sharing each chunk's K/V loads), warps and pipeline depth.
-    A row's bits depend on `rows` (the tensor-core instruction: wgmma from 64 rows, mma.sync below), never on
-    `subtiles`."""
+    """The attention kernel's query rows per product (tokens x padded q heads of one kv head: wgmma from 64 rows,
+    mma.sync below), products per program (`subtiles`: 1, 2 or 4, each over its own rows, all sharing each chunk's
+    K/V loads), warps and pipeline depth. None of them changes a row's bits (`_chunk_values`)."""
 
     num_warps: int = 4
     num_stages: int = 2
@@ -75,13 +76,14 @@ class AttentionLaunch:
 
 def launch_for(num_tokens: int, num_seqs: int, group_pad: int) -> AttentionLaunch:
     """The default plan for a call of these shapes (shapes only: a CUDA graph's bucket fixes it): ATTENTION_ROWS rows
-    a product in every call; below 64 rows, where the call's sequences hold a full tile of 4 sub-tiles on average (a
-    prefill, not decodes), 4 sub-tiles a program sharing each chunk's K/V loads, on 8 warps (on 4 they spill; ptxas
-    for sm_90a)."""
-    tokens = max(1, ATTENTION_ROWS // group_pad)
-    if ATTENTION_ROWS < 64 and num_tokens >= 4 * tokens * num_seqs:
-        return AttentionLaunch(num_warps=8, subtiles=4)
-    return AttentionLaunch()
+    a product where the call's sequences average a tile's new tokens or more (a prefill); else DECODE_ROWS (decodes,
+    alone or with a chunk: a decode's tile holds one token, 4x fewer padding rows). One H200, llama3-8b's heads: 16
+    rows 1.6x faster than 64 at a decode of 256 sequences, 64 rows 1.6x faster than 16 at a 2048-token prefill;
+    sub-tiles and 8 warps no faster (benchmarks/results/2026-12-05/probes/
+    invariant_attention_probe-llama3-8b-1xH200-fbd82c2.json)."""
+    if num_tokens >= max(1, ATTENTION_ROWS // group_pad) * num_seqs:
+        return AttentionLaunch()
+    return AttentionLaunch(rows=max(DECODE_ROWS, group_pad))
 
 
 @dataclass(frozen=True)
@@ -104,24 +106,29 @@ class MatmulTiling:
     warp_specialize: bool = False
 
 
-# The launch shape by M, N and K, from the probe's graph-replayed timings on one H200 (benchmarks/probes/
-# invariant_mm_probe.py; any other choice gives the same bits). Up to 64 rows (decode) the weights' bytes bound it:
-# 64 x 64 tiles with deep pipelining, and where those give too few programs (N <= 4096, or a long K: a down
-# projection) 64 x 32 tiles with 128-deep K steps. From 64 to 512 rows: 64 x 64, 128 x 64 or 128 x 128 as the
-# number of tiles allows. Past 512 rows the tensor cores bound it: 128 x 128, or 128 x 256 for wide or deep products.
+# The pointer kernel's launch shapes (the TMA kernel's too, below), which the probe times
+# (benchmarks/probes/invariant_mm_probe.py): 64 x 64 and 64 x 32 with 128-deep K steps for decode sizes, the same at
+# 16 rows (mma.sync instead of wgmma: the same bits, the GPU test), 128 x 64, 64 x 128, 128 x 128 and 128 x 256.
 SMALL_M_TILING = MatmulTiling()
 SMALL_M_LONG_K_TILING = MatmulTiling(block_n=32, block_k=128, num_stages=5)
+TINY_M_WIDE_TILING = replace(SMALL_M_TILING, block_m=16)
+TINY_M_TILING = replace(SMALL_M_LONG_K_TILING, block_m=16)
 MID_M_TILING = MatmulTiling(block_m=128, num_stages=4)
+WIDE_SMALL_M_TILING = MatmulTiling(block_n=128, num_stages=5)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
-TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, MID_M_TILING, LARGE_M_TILING, LARGE_M_WIDE_TILING)
-# Candidates through the TMA, not chosen by `tiling_for` until timed on a GPU (benchmarks/probes/invariant_mm_probe.py
-# times them and checks their bits): each tiling above and 64 x 128 (m64n128 MMAs, twice the tiles of 128 x 128 for
-# the 64 to 512 rows where 128 x 128 leaves SMs idle), one tile per program and persistent; the large ones with warp
-# specialization; a deeper 128 x 256; and 16-column tiles that give a decode's narrow products 4x the programs.
-WIDE_SMALL_M_TILING = MatmulTiling(block_n=128, num_stages=5)
+TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, TINY_M_WIDE_TILING, TINY_M_TILING, MID_M_TILING, LARGE_M_TILING,
+           LARGE_M_WIDE_TILING)  # fmt: skip
+# Through the TMA (from 64 rows: wgmma's): the 64- and 128-row tilings above and 64 x 128, one tile per program and
+# persistent; the large ones with warp specialization; a deeper 128 x 256; and 16-column tiles that give a decode's
+# narrow products 4x the programs.
 TMA_TILINGS = (
-    *(replace(t, tma=True, persistent=p) for t in (*TILINGS, WIDE_SMALL_M_TILING) for p in (False, True)),
+    *(
+        replace(t, tma=True, persistent=p)
+        for t in (*TILINGS, WIDE_SMALL_M_TILING)
+        if t.block_m >= 64
+        for p in (False, True)
+    ),
     *(replace(t, tma=True, persistent=True, warp_specialize=True) for t in (LARGE_M_TILING, LARGE_M_WIDE_TILING)),
     replace(LARGE_M_WIDE_TILING, num_stages=4, tma=True, persistent=True),
     MatmulTiling(block_n=16, block_k=128, num_stages=8, tma=True),
@@ -136,17 +143,39 @@ NARROW_N = 4096
 WIDE_N = 8192
 
 
+def _tma(t: MatmulTiling, *, persistent: bool = False, warp_specialize: bool = False, **over) -> MatmulTiling:
+    return replace(t, tma=True, persistent=persistent or warp_specialize, warp_specialize=warp_specialize, **over)
+
+
 def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
-    """The launch shape for an (M, K) x (K, N) product (shapes only: a CUDA graph's bucket fixes it)."""
+    """The launch shape for an (M, K) x (K, N) product (shapes only: a CUDA graph's bucket fixes it); any gives the
+    same bits. The fastest per class of M, N and K in the probe's graph-replayed timings on one H200 (llama3-8b's four
+    products, benchmarks/results/2026-12-05/probes/invariant_mm_probe-llama3-8b-1xH200-fbd82c2.json). To 64 rows the
+    weights' bytes bound it: many narrow tiles (16 rows to 16, 64 from 17; 32 columns with 128-deep K steps where 64
+    would give too few programs: N <= 4096, or a long K). From 64 to 512 rows, the tile that fills the SMs without
+    idle ones: 64 x 64 or 128 x 64 through the TMA, 128 x 256 persistent for wide products. Past 512 rows the tensor
+    cores bound it: 128 x 256, persistent with warp specialization (within 2% of cuBLAS at 2048 rows)."""
+    wide = n > WIDE_N
+    narrow = k >= LONG_K or n <= NARROW_N
+    if m <= 16:
+        return TINY_M_WIDE_TILING if wide else TINY_M_TILING
     if m <= 64:
-        return SMALL_M_LONG_K_TILING if k >= LONG_K or n <= NARROW_N else SMALL_M_TILING
+        if wide:
+            return _tma(WIDE_SMALL_M_TILING)
+        return _tma(SMALL_M_LONG_K_TILING if narrow else SMALL_M_TILING)
+    if wide:
+        if m <= 256:
+            return _tma(LARGE_M_WIDE_TILING, persistent=True, num_stages=4)
+        return _tma(LARGE_M_WIDE_TILING, warp_specialize=True)
+    if m <= 128:
+        return _tma(SMALL_M_TILING)
     if m <= 256:
-        if n > WIDE_N:
-            return LARGE_M_TILING
-        return SMALL_M_TILING if m <= 128 else MID_M_TILING
+        if k >= LONG_K:
+            return _tma(SMALL_M_TILING)
+        return _tma(WIDE_SMALL_M_TILING if n <= NARROW_N else MID_M_TILING)
     if m <= 512:
-        return LARGE_M_TILING
-    return LARGE_M_WIDE_TILING if n > WIDE_N or k >= LONG_K else LARGE_M_TILING
+        return _tma(MID_M_TILING) if narrow else _tma(LARGE_M_WIDE_TILING, persistent=True, num_stages=4)
+    return _tma(LARGE_M_WIDE_TILING, warp_specialize=True)
 
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -401,6 +430,16 @@ if triton is not None:
         return m, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
 
     @triton.jit
+    def _chunk_values(p, v, ones):
+        """A chunk's (sum of exp, exp @ V) over its keys, exp rounded to V's dtype for both, both on the tensor cores:
+        the sum as the product with `ones` (CHUNK, 16), a column of ones and zeros (a row's zeros add nothing in any
+        order). tl.sum's order follows the layout, which follows the rows and warps (a row's 64 keys on one warp at 64
+        rows on 4 warps, over four at 16 rows on 4), the tensor cores' follows neither: a row gets the same bits at
+        16 rows (mma.sync) as at 64 (wgmma)."""
+        w = p.to(v.dtype)
+        return tl.sum(tl.dot(w, ones), 1), tl.dot(w, v)
+
+    @triton.jit
     def _subtile_q(q_ptr, q_start, num_q, kv_len, t0, kvh, stride_qm, stride_qh, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
         """A sub-tile's rows (_rows) and their q: (q, token rows, q heads, validity, query positions)."""
@@ -491,6 +530,7 @@ if triton is not None:
         if SUB >= 4:
             m2, l2, a2 = m0, l0, a0
             m3, l3, a3 = m0, l0, a0
+        ones = ((tl.arange(0, CHUNK)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)).to(v_ptr.dtype.element_ty)
         for c0 in range(c_lo, c_hi, CHUNK):
             k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh,
                                                 stride_vs, stride_vh, stride_tb, block_size, CHUNK,
@@ -504,12 +544,16 @@ if triton is not None:
                 m_c2, p2 = _chunk_scores(q2, pos2, k, t, t_ok, scale)
                 m_c3, p3 = _chunk_scores(q3, pos3, k, t, t_ok, scale)
             v = _load_rows(v_ptr, v_row, t_ok, HEAD_DIM)
-            m0, l0, a0 = _merge_state(m0, l0, a0, m_c0, tl.sum(p0, 1), tl.dot(p0.to(v.dtype), v))
+            l_c0, a_c0 = _chunk_values(p0, v, ones)
+            m0, l0, a0 = _merge_state(m0, l0, a0, m_c0, l_c0, a_c0)
             if SUB >= 2:
-                m1, l1, a1 = _merge_state(m1, l1, a1, m_c1, tl.sum(p1, 1), tl.dot(p1.to(v.dtype), v))
+                l_c1, a_c1 = _chunk_values(p1, v, ones)
+                m1, l1, a1 = _merge_state(m1, l1, a1, m_c1, l_c1, a_c1)
             if SUB >= 4:
-                m2, l2, a2 = _merge_state(m2, l2, a2, m_c2, tl.sum(p2, 1), tl.dot(p2.to(v.dtype), v))
-                m3, l3, a3 = _merge_state(m3, l3, a3, m_c3, tl.sum(p3, 1), tl.dot(p3.to(v.dtype), v))
+                l_c2, a_c2 = _chunk_values(p2, v, ones)
+                m2, l2, a2 = _merge_state(m2, l2, a2, m_c2, l_c2, a_c2)
+                l_c3, a_c3 = _chunk_values(p3, v, ones)
+                m3, l3, a3 = _merge_state(m3, l3, a3, m_c3, l_c3, a_c3)
         _store(o_ptr, ws_ml_ptr, ws_acc_ptr, rows0, heads0, ok0, m0, l0, a0, num_tokens, stride_om, stride_oh,
                GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
         if SUB >= 2:
@@ -648,9 +692,8 @@ def attention(
 ) -> Tensor:
     """Causal attention of each sequence's new tokens (module doc). Paged (context_lens and block_tables given): k / v
     (slots, K, D) the page pool, the new tokens' K/V already in it. Packed: k / v (M, K, D) the new tokens' own.
-    `split` (one program per key chunk or not) and `launch` override the launch plan (probes, tests). `split` changes
-    no bit; `launch` keeps a row's bits only at 64 rows and more: a tile of fewer rows runs on mma.sync, not wgmma,
-    which rounds differently (benchmarks/results/2026-12-04/probes/invariant_attention_probe-1xH200-479cb46.log)."""
+    `split` (one program per key chunk or not) and `launch` override the launch plan (probes, tests); neither changes
+    a bit of the result."""
     q_MHD, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_MHD, k, v))
     num_tokens, num_heads, head_dim = q_MHD.shape
     num_kv = k.shape[1]
