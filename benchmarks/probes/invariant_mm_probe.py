@@ -3,7 +3,9 @@ shapes, under several launch shapes (the pointer kernel's, and the TMA candidate
 one gives the same bits as the default choice at M = 2048 (rows 0..M-1): which shapes could be picked per M without
 changing a row.
 
-    python benchmarks/probes/invariant_mm_probe.py [--out DIR]
+    python benchmarks/probes/invariant_mm_probe.py [--out DIR] [--ms 576,1024] [--tilings 128x64s4_tma,...]
+
+(--ms: other row counts than MS; --tilings: only these labels, the default choice and cuBLAS always timed.)
 """
 
 import argparse
@@ -66,7 +68,7 @@ def _summary(row: dict) -> str:
     best = min((v, key) for key, v in row.items() if key.endswith("_ms") and key not in ("cublas_ms",))
     row["best"] = best[1]
     differ = [key[: -len("_same_bits")] for key, v in row.items() if key.endswith("_same_bits") and not v]
-    tma = min((v, key) for key, v in row.items() if "_tma" in key and key.endswith("_ms"))
+    tma = min(((v, key) for key, v in row.items() if "_tma" in key and key.endswith("_ms")), default=(0.0, "none"))
     return (f"{row['shape']:8s} m={row['m']:<5d} cublas {row['cublas_ms']:.4f} default {row['default_ms']:.4f} "
             f"({row['default_tiling']}) best {best[0]:.4f} {best[1]} best TMA {tma[0]:.4f} {tma[1]} other bits: "
             f"{differ or 'none'}")  # fmt: skip
@@ -75,22 +77,29 @@ def _summary(row: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--tilings", default=",".join(TILINGS))
     args = p.parse_args()
+    ms = tuple(int(m) for m in args.ms.split(","))
+    unknown = sorted(set(args.tilings.split(",")) - set(TILINGS))
+    if unknown:
+        raise SystemExit(f"--tilings: unknown {unknown}; labels: {', '.join(TILINGS)}")
+    chosen = {k: TILINGS[k] for k in args.tilings.split(",")}
     g = torch.Generator(device="cuda").manual_seed(0)
     out = Path(args.out) / "invariant_mm_probe.json"
-    tilings = {k: asdict(t) for k, t in TILINGS.items()}
+    tilings = {k: asdict(t) for k, t in chosen.items()}
     rows, inputs = [], {}
     # the warp-specialized tilings last, in a pass of their own: a hang there (Triton's warp specialization on
     # Hopper is new) loses only them
-    warp_specialized = {k: t for k, t in TILINGS.items() if t.warp_specialize}
-    for pass_tilings in ({k: t for k, t in TILINGS.items() if k not in warp_specialized}, warp_specialized):
+    warp_specialized = {k: t for k, t in chosen.items() if t.warp_specialize}
+    for pass_tilings in ({k: t for k, t in chosen.items() if k not in warp_specialized}, warp_specialized):
         for name, (n, k) in SHAPES.items():
             if name not in inputs:
                 w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
-                x = torch.randn(max(MS), k, device="cuda", generator=g, dtype=torch.bfloat16)
+                x = torch.randn(max(ms), k, device="cuda", generator=g, dtype=torch.bfloat16)
                 inputs[name] = (w, x, ik.matmul(x, w.t()))
             w, x, ref = inputs[name]
-            for m in MS:
+            for m in ms:
                 row = next((r for r in rows if r["shape"] == name and r["m"] == m), None)
                 if row is None:
                     row = {"shape": name, "n": n, "k": k, "m": m,
