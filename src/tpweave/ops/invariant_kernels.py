@@ -150,13 +150,14 @@ def _tma(t: MatmulTiling, *, persistent: bool = False, warp_specialize: bool = F
 
 def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
     """The launch shape for an (M, K) x (K, N) product (shapes only: a CUDA graph's bucket fixes it); any gives the
-    same bits. The fastest per class of M, N and K in the probe's graph-replayed timings on one H200 (llama3-8b's four
-    products, benchmarks/results/2026-12-05/probes/invariant_mm_probe-llama3-8b-1xH200-fbd82c2.json). To 64 rows the
-    weights' bytes bound it: many narrow tiles (16 rows to 16, 64 from 17; 32 columns with 128-deep K steps where 64
-    would give too few programs: N <= 4096, or a long K). Then, through the TMA, the tile that fills the SMs without
-    leaving them idle: 64 x 64, 64 x 128 or 128 x 64 to 1024 rows (timed to 512), 128 x 256 persistent for wide
-    products (N > 8192) to 256 rows and for the others' 512 to 1024. Past that the tensor cores bound it: 128 x 256,
-    persistent with warp specialization (within 2% of cuBLAS at 2048 rows)."""
+    same bits. The fastest per class of M, N and K in the probe's graph-replayed timings (llama3-8b's four products;
+    to 512 rows and at 2048 on one H200, benchmarks/results/2026-12-05/probes/
+    invariant_mm_probe-llama3-8b-1xH200-fbd82c2.json; from 512 to 1024 on one H100, -mid-m-llama3-8b-1xH100-bc5969e).
+    To 64 rows the weights' bytes bound it: many narrow tiles (16 rows to 16, 64 from 17; 32 columns with 128-deep K
+    steps where 64 would give too few programs: N <= 4096, or a long K). To 512 rows, through the TMA, the tile that
+    fills the SMs without leaving them idle: 64 x 64, 64 x 128 or 128 x 64, and 128 x 256 persistent for products of
+    many columns. Then the tensor cores bound it: 128 x 256, persistent to 1024 rows, with warp specialization
+    above (within 2% of cuBLAS at 2048 rows)."""
     wide = n > WIDE_N
     narrow = k >= LONG_K or n <= NARROW_N
     if m <= 16:
@@ -165,19 +166,19 @@ def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
         if wide:
             return _tma(WIDE_SMALL_M_TILING)
         return _tma(SMALL_M_LONG_K_TILING if narrow else SMALL_M_TILING)
-    if wide:
-        if m <= 256:
-            return _tma(LARGE_M_WIDE_TILING, persistent=True, num_stages=4)
+    if m > 1024:
         return _tma(LARGE_M_WIDE_TILING, warp_specialize=True)
+    if wide or m > 512:
+        return _tma(LARGE_M_WIDE_TILING, persistent=True, num_stages=4)
     if m <= 128:
         return _tma(SMALL_M_TILING)
     if m <= 256:
         if k >= LONG_K:
             return _tma(SMALL_M_TILING)
         return _tma(WIDE_SMALL_M_TILING if n <= NARROW_N else MID_M_TILING)
-    if m <= 1024:  # 128 x 256 tiles would leave SMs idle (timed to 512 rows)
-        return _tma(MID_M_TILING) if narrow else _tma(LARGE_M_WIDE_TILING, persistent=True, num_stages=4)
-    return _tma(LARGE_M_WIDE_TILING, warp_specialize=True)
+    if narrow:
+        return _tma(MID_M_TILING)
+    return _tma(LARGE_M_WIDE_TILING, persistent=True, num_stages=4)
 
 
 _DTYPES = (torch.float16, torch.bfloat16)
