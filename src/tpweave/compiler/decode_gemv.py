@@ -1,7 +1,8 @@
 """Linear layers through tpweave's decode-size GEMV: each matmul of the graph whose second operand is a
-weight (a 2-D tensor with contiguous rows, transposed) becomes `tpweave::linear` (ops/gemv.py), which runs a
-one-kernel Triton GEMV when the call has few rows (decode) and torch's matmul otherwise. A SiLU-gated MLP's
-activation goes into its down projection's op, where the GEMV reads silu(gate) * up itself.
+weight (an input of the graph, 2-D with contiguous rows, transposed: the GEMV reads it before its PDL wait)
+becomes `tpweave::linear` (ops/gemv.py), which runs a one-kernel Triton GEMV when the call has few rows (decode)
+and torch's matmul otherwise. A SiLU-gated MLP's activation goes into its down projection's op, where the GEMV
+reads silu(gate) * up itself.
 
 Before:                                         After:
     wt = permute(w, [1, 0])
@@ -75,6 +76,13 @@ def _weight_of(wt) -> fx.Node | None:
     return w
 
 
+def weight_input(wt) -> fx.Node | None:
+    """w for wt = permute(w, [1, 0]) or t(w) (_weight_of) where w is an input of the graph (a placeholder, or a
+    get_attr constant): no kernel of the graph writes it, so a kernel may read it before its PDL wait (ops/pdl.py)."""
+    w = _weight_of(wt)
+    return w if w is not None and w.op in ("placeholder", "get_attr") else None
+
+
 def _silu_input(node) -> fx.Node | None:
     """g where node computes silu(g) (in one of its decomposed forms, casts aside), else None."""
     node = _uncast(node)
@@ -138,7 +146,7 @@ def match_linear(mm: fx.Node) -> LinearMatch | None:
     """The linear layer at an mm node, or None (not a weight operand, or dtypes that differ)."""
     if mm.target is not aten.mm.default:
         return None
-    x, w = mm.args[0], _weight_of(mm.args[1])
+    x, w = mm.args[0], weight_input(mm.args[1])
     if w is None or not isinstance(val(x), torch.Tensor) or val(x).dtype != val(w).dtype:
         return None
     gated = _gated_input(x, val(w).shape[1])

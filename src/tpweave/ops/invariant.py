@@ -41,9 +41,9 @@ def _tiles(a: Tensor) -> tuple[Tensor, int]:
     return (torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a), m
 
 
-def _mm(a: Tensor, b: Tensor) -> Tensor:
+def _mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
     if invariant_kernels.mm_supported(a, b):
-        return invariant_kernels.matmul(a, b)
+        return invariant_kernels.matmul(a, b, weight=weight)
     padded, m = _tiles(a.contiguous())
     out = a.new_empty(padded.shape[0], b.shape[1])
     for start in range(0, padded.shape[0], ROW_TILE):
@@ -52,13 +52,14 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("tpweave::invariant_mm", mutates_args=())
-def invariant_mm(a: Tensor, b: Tensor) -> Tensor:
-    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc)."""
-    return _mm(a, b)
+def invariant_mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
+    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc). weight: b is an input of the
+    graph that no kernel writes (a linear layer's weight), which the Triton matmul may read before the PDL wait."""
+    return _mm(a, b, weight)
 
 
 @invariant_mm.register_fake
-def _(a, b):
+def _(a, b, weight=False):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
