@@ -364,6 +364,8 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
         for m in (1, 7, 64, 65, 256, 513, 1000):
             assert torch.equal(invariant_kernels.matmul(x[:m], w.t()), full[:m]), (n, k, m)
             assert torch.equal(invariant_kernels.matmul(x[300 : 300 + m], w.t()), full[300 : 300 + m]), (n, k, m)
+            # a weight's first K step read before the PDL wait (the 16-row tiles): the same bits
+            assert torch.equal(invariant_kernels.matmul(x[:m], w.t(), weight=True), full[:m]), (n, k, m)
         for tiling in invariant_kernels.TILINGS:  # every launch shape, BLOCK_K 64 or 128: the same bits
             assert torch.equal(invariant_kernels.matmul(x[:65], w.t(), tiling=tiling), full[:65]), (n, k, tiling)
         torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)
