@@ -21,7 +21,8 @@ from tpweave.ops import invariant_kernels as ik
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = (1, 16, 64, 128, 256, 512, 2048)
-SMALL_ONLY = ("16x64", "16x32k128")  # mma.sync tiles: timed at decode sizes only
+SMALL_ONLY = ("16x64", "16x32k128", "16x16k256", "16x16k128", "16x32k256", "16x64k128", "16x32k128w2")  # mma.sync
+# tiles: timed at decode sizes only
 TILINGS = {
     "64x64": ik.SMALL_M_TILING,
     "64x32k128": ik.SMALL_M_LONG_K_TILING,
@@ -31,6 +32,12 @@ TILINGS = {
     "128x256": ik.LARGE_M_WIDE_TILING,
     "16x64": replace(ik.SMALL_M_TILING, block_m=16),
     "16x32k128": replace(ik.SMALL_M_LONG_K_TILING, block_m=16),
+    # narrower and deeper 16-row tiles: more programs, more bytes in flight per program, for one-row products
+    "16x16k256": ik.MatmulTiling(block_m=16, block_n=16, block_k=256, num_stages=4),
+    "16x16k128": ik.MatmulTiling(block_m=16, block_n=16, block_k=128, num_stages=6),
+    "16x32k256": ik.MatmulTiling(block_m=16, block_n=32, block_k=256, num_stages=4),
+    "16x64k128": ik.MatmulTiling(block_m=16, block_n=64, block_k=128, num_stages=4),
+    "16x32k128w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=5, num_warps=2),
 }
 
 
