@@ -21,8 +21,7 @@ from tpweave.ops import invariant_kernels as ik
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = (1, 16, 64, 128, 256, 512, 2048)
-SMALL_ONLY = ("16x64", "16x32k128", "16x16k256", "16x16k128", "16x32k256", "16x64k128", "16x32k128w2")  # mma.sync
-# tiles: timed at decode sizes only
+SMALL_ONLY = ("16x64", "16x32k128")  # mma.sync tiles: timed at decode sizes only
 TILINGS = {
     "64x64": ik.SMALL_M_TILING,
     "64x32k128": ik.SMALL_M_LONG_K_TILING,
@@ -38,6 +37,12 @@ TILINGS = {
     "16x32k256": ik.MatmulTiling(block_m=16, block_n=32, block_k=256, num_stages=4),
     "16x64k128": ik.MatmulTiling(block_m=16, block_n=64, block_k=128, num_stages=4),
     "16x32k128w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=5, num_warps=2),
+    "16x32k256w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=2),
+    "16x16k256w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=256, num_stages=4, num_warps=2),
+    "16x16k512w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=2),
+    "16x64k128w2": ik.MatmulTiling(block_m=16, block_n=64, block_k=128, num_stages=4, num_warps=2),
+    "16x64k64w2": ik.MatmulTiling(block_m=16, block_n=64, block_k=64, num_stages=6, num_warps=2),
+    "16x32k128s8w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=8, num_warps=2),
 }
 
 
@@ -47,6 +52,7 @@ def _label(t: ik.MatmulTiling) -> str:
     return f"{t.block_m}x{t.block_n}{k}s{t.num_stages}_{kind}"
 
 
+SMALL_ONLY += tuple(label for label, t in TILINGS.items() if t.block_m == 16 and label not in SMALL_ONLY)
 TILINGS |= {_label(t): t for t in ik.TMA_TILINGS}  # the same tiles with A and B through the TMA
 SMALL_ONLY += tuple(_label(t) for t in ik.TMA_TILINGS if t.block_n < 32)  # many narrow tiles: for decode sizes
 CALLS = 10  # graph replays back to back between the events
