@@ -19,7 +19,8 @@ from tpweave.bench.stats import median
 from tpweave.bench.timing import capture, time_call
 from tpweave.ops import invariant_kernels as ik
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}  # fmt: skip
 MS = (1, 16, 64, 128, 256, 512, 2048)
 SMALL_ONLY = ("16x64", "16x32k128")  # mma.sync tiles: timed at decode sizes only
 TILINGS = {
@@ -39,10 +40,16 @@ TILINGS = {
     "16x32k128w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=5, num_warps=2),
     "16x32k256w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=2),
     "16x16k256w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=256, num_stages=4, num_warps=2),
-    "16x16k512w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=2),
     "16x64k128w2": ik.MatmulTiling(block_m=16, block_n=64, block_k=128, num_stages=4, num_warps=2),
     "16x64k64w2": ik.MatmulTiling(block_m=16, block_n=64, block_k=64, num_stages=6, num_warps=2),
     "16x32k128s8w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=8, num_warps=2),
+    "16x16k512w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=2),
+    "16x16k512s4w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=4, num_warps=2),
+    "16x16k512s2w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=2, num_warps=2),
+    "16x16k1024s2w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=1024, num_stages=2, num_warps=2),
+    "16x32k512w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=512, num_stages=3, num_warps=2),
+    "16x16k512w4": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=4),
+    "16x16k512w1": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=1),
 }
 
 
