@@ -318,9 +318,9 @@ def test_invariant_matmul_kernel_compiles(has_bias):
         if ik.prefetches(t):
             meta["PREFETCH_B"] = True
             assert loads_before_wait(compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)), t
-    assert {t for t in ik.TILINGS if ik.prefetches(t)} == {ik.TINY_M_TILING}
-    shapes = itertools.product((1, 16, 17, 64, 65, 128, 200, 256, 300, 512, 513, 2048, 8192), (1024, 4096, 6144, 28672),
-                               (1024, 4096, 14336))  # fmt: skip
+    assert {t for t in ik.TILINGS if ik.prefetches(t)} == {ik.TINY_M_TILING, ik.TINY_M_NARROW_TILING}
+    shapes = itertools.product((1, 16, 17, 32, 33, 64, 65, 128, 200, 256, 300, 512, 513, 2048, 8192),
+                               (1024, 4096, 6144, 28672), (1024, 4096, 14336))  # fmt: skip
     assert {ik.tiling_for(m, n, k) for m, n, k in shapes} <= {*ik.TILINGS, *ik.TMA_TILINGS}
 
 

@@ -114,11 +114,12 @@ class MatmulTiling:
 SMALL_M_TILING = MatmulTiling()
 SMALL_M_LONG_K_TILING = MatmulTiling(block_n=32, block_k=128, num_stages=5)
 TINY_M_TILING = MatmulTiling(block_m=16, block_n=16, block_k=512, num_warps=2, num_stages=3)
+TINY_M_NARROW_TILING = replace(TINY_M_TILING, block_n=32)  # 17 to 32 rows of a narrow product
 MID_M_TILING = MatmulTiling(block_m=128, num_stages=4)
 WIDE_SMALL_M_TILING = MatmulTiling(block_n=128, num_stages=5)
 LARGE_M_TILING = MatmulTiling(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LARGE_M_WIDE_TILING = MatmulTiling(block_m=128, block_n=256, num_warps=8, num_stages=3)
-TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, TINY_M_TILING, MID_M_TILING, LARGE_M_TILING,
+TILINGS = (SMALL_M_TILING, SMALL_M_LONG_K_TILING, TINY_M_TILING, TINY_M_NARROW_TILING, MID_M_TILING, LARGE_M_TILING,
            LARGE_M_WIDE_TILING)  # fmt: skip
 # Through the TMA (from 64 rows: wgmma's): the 64- and 128-row tilings above and 64 x 128, one tile per program and
 # persistent; the large ones with warp specialization; a deeper 128 x 256; and 16-column tiles that give a decode's
@@ -153,10 +154,11 @@ def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
     same bits. The fastest per class of M, N and K in the probe's graph-replayed timings (llama3-8b's four products;
     to 512 rows and at 2048 on one H200, benchmarks/results/2026-12-05/probes/
     invariant_mm_probe-llama3-8b-1xH200-fbd82c2.json; from 512 to 1024 on one H100, -mid-m-llama3-8b-1xH100-bc5969e;
-    to 16 rows on one H100, -tiny-m-llama3-8b-1xH100-7c75c10, lm_head's product too). To 64 rows the weights' bytes
-    bound it: many narrow tiles (to 16 rows 16 x 16 with 512-deep K steps, 6-13% faster than 16 x 32 or 16 x 64 on
-    all but the QKV product, equal there; 64 rows from 17, 32 columns with 128-deep K steps where 64 would give too
-    few programs: N <= 4096, or a long K). To 512 rows, through the TMA, the tile that
+    to 64 rows on one H100, -tiny-m-llama3-8b-1xH100-7c75c10 and -6b3d5a0, lm_head's product too). To 64 rows the
+    weights' bytes bound it: many narrow tiles (to 16 rows 16 x 16 with 512-deep K steps, 6-13% faster than 16 x 32
+    or 16 x 64 on all but the QKV product, equal there; to 32 rows of a narrow product (N <= 4096, or a long K)
+    16 x 32 with 512-deep steps, 35-40% faster than 64-row tiles at 17 rows; else 64 rows, 32 columns with 128-deep K
+    steps where 64 would give too few programs). To 512 rows, through the TMA, the tile that
     fills the SMs without leaving them idle: 64 x 64, 64 x 128 or 128 x 64, and 128 x 256 persistent for products of
     many columns. Then the tensor cores bound it: 128 x 256, persistent to 1024 rows, with warp specialization
     above (within 2% of cuBLAS at 2048 rows)."""
@@ -164,6 +166,8 @@ def tiling_for(m: int, n: int = 0, k: int = 0) -> MatmulTiling:
     narrow = k >= LONG_K or n <= NARROW_N
     if m <= 16:
         return TINY_M_TILING
+    if m <= 32 and narrow and not wide:
+        return TINY_M_NARROW_TILING
     if m <= 64:
         if wide:
             return _tma(WIDE_SMALL_M_TILING)
