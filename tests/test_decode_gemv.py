@@ -74,6 +74,20 @@ def test_pass_routes_linears_and_fuses_gated_mlps(style, fused, dtype):
     )
 
 
+def test_only_a_graph_input_is_read_as_a_weight():
+    """The GEMV reads W before its PDL wait, so a matmul is routed only where its transposed operand is an input of
+    the graph (a weight no kernel of the graph writes); one computed in the graph stays a matmul."""
+
+    class TwoProducts(nn.Module):
+        def forward(self, x, w, z):
+            return x @ w.t() + x @ (z * 2).t()
+
+    x, w, z = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 8)
+    compiled = tpweave.compile(TwoProducts())
+    torch.testing.assert_close(compiled(x, w, z), TwoProducts()(x, w, z))
+    assert set(_routed(compiled)) == {(1, 0)}, _routed(compiled)
+
+
 def test_pass_off_leaves_the_matmuls():
     module = MLPBlock("silu")
     compiled = tpweave.compile(module, decode_gemv=False)

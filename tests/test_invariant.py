@@ -87,9 +87,6 @@ def test_compiled_model_logits_do_not_depend_on_the_batch():
             assert torch.allclose(alone, model(*pack([target]).args()), atol=1e-4)
     swapped = [gr.invariant["swapped"] for gr in tpweave.report(compiled).graphs]
     assert all(s.get("aten.mm.default", 0) >= 9 and s.get("tpweave.attention.default") == 2 for s in swapped)
-    # every matmul is a linear layer's: each reads its weight before the PDL wait at decode sizes
-    assert all(gr.invariant["weight_operands"] == gr.invariant["swapped"]["aten.mm.default"]
-               for gr in tpweave.report(compiled).graphs)  # fmt: skip
 
 
 def _engine_logits(prompts, config, *, pad_to=None, device="cpu", params=None):
@@ -303,22 +300,6 @@ def test_invariant_options_refuse_what_is_not_built():
         EngineConfig(invariant="batch", compile_model=False)
 
 
-def test_only_a_graph_inputs_transposed_matrix_is_read_as_a_weight():
-    """A matmul's second operand is marked a weight (read before the PDL wait: compiler/decode_gemv.py weight_input)
-    only where it is an input of the graph, transposed; one computed in the graph is not. The numbers are eager's."""
-
-    class TwoProducts(torch.nn.Module):
-        def forward(self, x, w, z):
-            return x @ w.t() + x @ (z * 2).t()
-
-    x, w, z = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 8)
-    compiled = compiler.compile(TwoProducts(), options=CompileOptions(invariant="batch", strict=True))
-    torch.testing.assert_close(compiled(x, w, z), TwoProducts()(x, w, z))
-    report = tpweave.report(compiled).graphs[0]
-    assert report.invariant["swapped"] == {"aten.mm.default": 2} and report.invariant["weight_operands"] == 1
-    assert "batch-invariant matmuls of a weight (its first K step read before the PDL wait" in str(report)
-
-
 def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
     class Batched(torch.nn.Module):
         def forward(self, x, w):
@@ -329,7 +310,7 @@ def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
     torch.testing.assert_close(loose(x, w), Batched()(x, w))
     report = tpweave.report(loose).graphs[0]
     assert report.invariant["not_invariant"] == {"aten.bmm.default": 1}
-    assert report.invariant["swapped"] == {"aten.mm.default": 1} and report.invariant["weight_operands"] == 0
+    assert report.invariant["swapped"] == {"aten.mm.default": 1}
     assert any("not batch-invariant: aten.bmm.default x1" in n for n in report.notes)
     strict = compiler.compile(Batched(), options=CompileOptions(invariant="batch", strict=True))
     with pytest.raises(Exception, match="not batch-invariant"):
@@ -364,8 +345,6 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
         for m in (1, 7, 64, 65, 256, 513, 1000):
             assert torch.equal(invariant_kernels.matmul(x[:m], w.t()), full[:m]), (n, k, m)
             assert torch.equal(invariant_kernels.matmul(x[300 : 300 + m], w.t()), full[300 : 300 + m]), (n, k, m)
-            # a weight's first K step read before the PDL wait (the 16-row tiles): the same bits
-            assert torch.equal(invariant_kernels.matmul(x[:m], w.t(), weight=True), full[:m]), (n, k, m)
         for tiling in invariant_kernels.TILINGS:  # every launch shape, BLOCK_K 64 or 128: the same bits
             assert torch.equal(invariant_kernels.matmul(x[:65], w.t(), tiling=tiling), full[:65]), (n, k, tiling)
         torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)

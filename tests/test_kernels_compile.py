@@ -301,8 +301,8 @@ def test_paged_prefill_kernel_compiles(group, head_dim, block_m, pack):
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_invariant_matmul_kernel_compiles(has_bias):
     """The batch-invariant matmul at each of its launch shapes, on the tensor cores' warpgroup MMA from 64 rows and
-    mma.sync below, under PDL with no load before its wait, but a weight's first K step where the tiling prefetches
-    (the 16-row tiles); every launch shape `tiling_for` picks is one compiled here or in the TMA kernel's test."""
+    mma.sync below, under PDL with no load before its wait; every launch shape `tiling_for` picks is one compiled
+    here or in the TMA kernel's test."""
     from tpweave.ops import invariant_kernels as ik
 
     fn = ik._invariant_matmul_kernel
@@ -310,15 +310,11 @@ def test_invariant_matmul_kernel_compiles(has_bias):
     types |= dict(beta="fp32", alpha="fp32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
     for t in ik.TILINGS:
         meta = dict(HAS_BIAS=has_bias, SCALED=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                    GROUP_M=t.group_m, PREFETCH_B=False, PDL=True)  # fmt: skip
+                    GROUP_M=t.group_m, PDL=True)  # fmt: skip
         kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
         ptx = kernel.asm["ptx"]
         assert ("wgmma.mma_async" in ptx) == (t.block_m >= 64) and ("mma.sync" in ptx) == (t.block_m < 64), t
         assert not loads_before_wait(kernel), t
-        if ik.prefetches(t):
-            meta["PREFETCH_B"] = True
-            assert loads_before_wait(compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)), t
-    assert {t for t in ik.TILINGS if ik.prefetches(t)} == {ik.TINY_M_TILING, ik.TINY_M_NARROW_TILING}
     shapes = itertools.product((1, 16, 17, 32, 33, 64, 65, 128, 200, 256, 300, 512, 513, 2048, 8192),
                                (1024, 4096, 6144, 28672), (1024, 4096, 14336))  # fmt: skip
     assert {ik.tiling_for(m, n, k) for m, n, k in shapes} <= {*ik.TILINGS, *ik.TMA_TILINGS}

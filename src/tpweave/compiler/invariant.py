@@ -2,8 +2,7 @@
 batch-invariant ones (ops/invariant.py), so each token's logits do not depend on the other tokens of its step.
 
 Before:                                         After:
-    y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]), True)
-    y = mm(x, z)                                    y = tpweave.invariant_mm(x, z, False)
+    y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]))
     y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
     r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)
     o = tpweave.attention(q, k, v, cu, s)           o = tpweave.invariant_attention(q, k, v, cu, s)
@@ -19,9 +18,6 @@ Level "tp" (CompileOptions(invariant="tp"): the same bits at TP 1, 2, 4, 8; ops/
                                                     r = tpweave.tp_invariant_mm_reduce_scatter(x, wt, g, W)
 (the token-split graph's row-parallel products and their sums are already tpweave.tp_invariant_rank_subtree, an
 all-gather and tpweave.ordered_sum_gathered: compiler/allreduce.py order_all_reduces)
-
-(True: w is a linear layer's weight, an input of the graph that no kernel writes, which the matmul's decode-size
-tiles read before their PDL wait: compiler/decode_gemv.py weight_input.)
 
 The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
 every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
@@ -39,7 +35,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from tpweave.compiler import decode_gemv
 from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, same, val
 from tpweave.compiler.report import GraphReport
 from tpweave.ops import fp8 as _fp8_ops  # noqa: F401  (registers tpweave::scaled_mm)
@@ -81,7 +76,6 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
     product and its all-reduce or reduce-scatter as one op (ops/invariant.py, K_CHUNKS)."""
     swapped: dict[str, int] = {}
     left: dict[str, int] = {}
-    weights = 0  # invariant_mm calls whose second operand is a weight (module doc)
     tp = level == "tp"
     if tp:
         for name, count in _fuse_row_parallel(graph).items():
@@ -100,9 +94,6 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         target = node.target
         if target in swaps:
             node.target = swaps[target]
-            if node.target is tpw.invariant_mm.default:
-                node.args = (*node.args[:2], decode_gemv.weight_input(node.args[1]) is not None)
-                weights += node.args[2]
         elif target is aten.addmm.default:
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
@@ -118,7 +109,7 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         else:
             continue
         swapped[str(target)] = swapped.get(str(target), 0) + 1
-    report.invariant = {"swapped": swapped, "not_invariant": left, "weight_operands": weights}
+    report.invariant = {"swapped": swapped, "not_invariant": left}
     if left:
         msg = "not batch-invariant: " + ", ".join(f"{n} x{c}" for n, c in sorted(left.items()))
         if strict:

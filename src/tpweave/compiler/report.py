@@ -46,8 +46,7 @@ class GraphReport:
     linears: int = 0
     gated_linears: int = 0
     norm_linears: int = 0  # ... and of them, how many also take the residual add + RMSNorm before them
-    # invariant="batch" (compiler/invariant.py): {"swapped": {op: count}, "not_invariant": {op: count},
-    # "weight_operands": matmuls of a weight, read before the PDL wait at decode sizes}; None when off
+    # invariant="batch" (compiler/invariant.py): {"swapped": {op: count}, "not_invariant": {op: count}}; None when off
     invariant: dict | None = None
 
     def add(self, kind: str, node, action: str, reason: str = "") -> Site:
@@ -101,11 +100,6 @@ class GraphReport:
         if self.invariant is not None:
             swapped = ", ".join(f"{op} x{c}" for op, c in sorted(self.invariant["swapped"].items())) or "nothing"
             lines.append(f"  batch-invariant kernels swapped in for: {swapped}")
-            if self.invariant.get("weight_operands"):
-                lines.append(
-                    f"  batch-invariant matmuls of a weight (its first K step read before the PDL wait at decode "
-                    f"sizes): {self.invariant['weight_operands']}"
-                )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -41,9 +41,9 @@ def _tiles(a: Tensor) -> tuple[Tensor, int]:
     return (torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a), m
 
 
-def _mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
+def _mm(a: Tensor, b: Tensor) -> Tensor:
     if invariant_kernels.mm_supported(a, b):
-        return invariant_kernels.matmul(a, b, weight=weight)
+        return invariant_kernels.matmul(a, b)
     padded, m = _tiles(a.contiguous())
     out = a.new_empty(padded.shape[0], b.shape[1])
     for start in range(0, padded.shape[0], ROW_TILE):
@@ -52,14 +52,13 @@ def _mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
 
 
 @torch.library.custom_op("tpweave::invariant_mm", mutates_args=())
-def invariant_mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
-    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc). weight: b is an input of the
-    graph that no kernel writes (a linear layer's weight), which the Triton matmul may read before the PDL wait."""
-    return _mm(a, b, weight)
+def invariant_mm(a: Tensor, b: Tensor) -> Tensor:
+    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc)."""
+    return _mm(a, b)
 
 
 @invariant_mm.register_fake
-def _(a, b, weight=False):
+def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1])
 
 

@@ -248,23 +248,14 @@ if triton is not None:
                                  stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
                                  HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                 PREFETCH_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        # PREFETCH_B (B is a weight: no kernel writes it): B's first K step is loaded before the PDL wait, so that it
-        # streams in while the kernel before this one finishes; the same products in the same order after it
+                                 PDL: tl.constexpr):  # fmt: skip
+        pdl.wait_and_release(PDL)
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
         b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
-        if PREFETCH_B:
-            b0 = tl.load(b_ptrs, mask=(rk < K)[:, None] & (rn[None, :] < N), other=0.0)
-        pdl.wait_and_release(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if PREFETCH_B:
-            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk < K)[None, :], other=0.0)
-            acc = tl.dot(a, b0, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        for k0 in range(BLOCK_K if PREFETCH_B else 0, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k_ok = rk < K - k0
             a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
@@ -614,11 +605,10 @@ if triton is not None:
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
-           tiling: MatmulTiling | None = None, weight: bool = False) -> Tensor:  # fmt: skip
+           tiling: MatmulTiling | None = None) -> Tensor:  # fmt: skip
     """a (M, K) @ b (K, N) (any strides), or alpha * (a @ b) + beta * bias (broadcast to (M, N)), in a's dtype
     (module doc: the product's reduction order; the epilogue is elementwise, in fp32). `tiling` overrides the launch
-    shape (probes, tests): it changes no bit of the result. `weight`: no kernel writes b (a model's weight), so the
-    16-row tiles load its first K step before the PDL wait (`prefetches`)."""
+    shape (probes, tests): it changes no bit of the result."""
     m, k = a.shape
     n = b.shape[1]
     out = a.new_empty(m, n)
@@ -649,17 +639,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=t.group_m, PREFETCH_B=weight and prefetches(t), PDL=on, num_warps=t.num_warps,
-        num_stages=t.num_stages, launch_pdl=on,
+        GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
-
-
-def prefetches(t: MatmulTiling) -> bool:
-    """Whether a launch of this tiling loads a weight's first K step before the PDL wait: the pointer kernel's 16-row
-    tiles (decode sizes, where the weights' bytes bound the step; a tile held across the wait takes a pipeline stage's
-    shared memory, which larger tiles need)."""
-    return not t.tma and t.block_m <= 16
 
 
 def _tma_describes(a: Tensor, b: Tensor) -> bool:
