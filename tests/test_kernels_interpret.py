@@ -131,6 +131,11 @@ def _check_invariant_kernels() -> None:
     for tiling in (t for t in invariant_kernels.TILINGS if t.block_k == block_k):
         for rows in (slice(0, 130), slice(0, 1), slice(64, 130)):
             assert torch.equal(invariant_kernels.matmul(a[rows], w.t(), tiling=tiling), want[rows]), (tiling, rows)
+    # the other K steps (the decode sizes' 512-deep ones): the product, and a row's bits alone as among the others
+    for tiling in (t for t in invariant_kernels.TILINGS if t.block_k != block_k):
+        got = invariant_kernels.matmul(a, w.t(), tiling=tiling)
+        torch.testing.assert_close(got.float(), a.float() @ w.float().t(), atol=0.3, rtol=2e-3)
+        assert torch.equal(invariant_kernels.matmul(a[64:65], w.t(), tiling=tiling), got[64:65]), tiling
     # the "tp" level's tree product: K in 8 chunks with a short last step each (72 = 64 + 8), a row alone and columns
     # apart from the others, and the ranks' subtrees over a row-parallel K summed in the tree's upper levels: the same
     # bits as the whole tree at TP 2, 4 and 8
