@@ -32,24 +32,20 @@ TILINGS = {
     "128x256": ik.LARGE_M_WIDE_TILING,
     "16x64": replace(ik.SMALL_M_TILING, block_m=16),
     "16x32k128": replace(ik.SMALL_M_LONG_K_TILING, block_m=16),
-    # narrower and deeper 16-row tiles: more programs, more bytes in flight per program, for one-row products
-    "16x16k256": ik.MatmulTiling(block_m=16, block_n=16, block_k=256, num_stages=4),
-    "16x16k128": ik.MatmulTiling(block_m=16, block_n=16, block_k=128, num_stages=6),
-    "16x32k256": ik.MatmulTiling(block_m=16, block_n=32, block_k=256, num_stages=4),
-    "16x64k128": ik.MatmulTiling(block_m=16, block_n=64, block_k=128, num_stages=4),
-    "16x32k128w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=5, num_warps=2),
-    "16x32k256w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=2),
-    "16x16k256w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=256, num_stages=4, num_warps=2),
-    "16x64k128w2": ik.MatmulTiling(block_m=16, block_n=64, block_k=128, num_stages=4, num_warps=2),
-    "16x64k64w2": ik.MatmulTiling(block_m=16, block_n=64, block_k=64, num_stages=6, num_warps=2),
-    "16x32k128s8w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=128, num_stages=8, num_warps=2),
-    "16x16k512w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=2),
-    "16x16k512s4w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=4, num_warps=2),
-    "16x16k512s2w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=2, num_warps=2),
-    "16x16k1024s2w2": ik.MatmulTiling(block_m=16, block_n=16, block_k=1024, num_stages=2, num_warps=2),
-    "16x32k512w2": ik.MatmulTiling(block_m=16, block_n=32, block_k=512, num_stages=3, num_warps=2),
-    "16x16k512w4": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=4),
-    "16x16k512w1": ik.MatmulTiling(block_m=16, block_n=16, block_k=512, num_stages=3, num_warps=1),
+}
+# narrower and deeper 16-row tiles: more programs, more bytes in flight per program, for one-row products
+# (label, columns, K step, stages, warps)
+TINY_CANDIDATES = (
+    ("16x16k256", 16, 256, 4, 4), ("16x16k128", 16, 128, 6, 4), ("16x32k256", 32, 256, 4, 4),
+    ("16x64k128", 64, 128, 4, 4), ("16x32k128w2", 32, 128, 5, 2), ("16x32k256w2", 32, 256, 4, 2),
+    ("16x16k256w2", 16, 256, 4, 2), ("16x64k128w2", 64, 128, 4, 2), ("16x64k64w2", 64, 64, 6, 2),
+    ("16x32k128s8w2", 32, 128, 8, 2), ("16x16k512w2", 16, 512, 3, 2), ("16x16k512s4w2", 16, 512, 4, 2),
+    ("16x16k512s2w2", 16, 512, 2, 2), ("16x16k1024s2w2", 16, 1024, 2, 2), ("16x32k512w2", 32, 512, 3, 2),
+    ("16x16k512w4", 16, 512, 3, 4), ("16x16k512w1", 16, 512, 3, 1),
+)  # fmt: skip
+TILINGS |= {
+    label: ik.MatmulTiling(block_m=16, block_n=n, block_k=k, num_stages=stages, num_warps=warps)
+    for label, n, k, stages, warps in TINY_CANDIDATES
 }
 
 
