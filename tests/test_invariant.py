@@ -326,6 +326,62 @@ def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
     fp8_model(torch.randn(5, 8), wq, ws)
     assert tpweave.report(fp8_model).graphs[0].invariant["not_invariant"] == {"tpweave.scaled_mm.default": 1}
 
+    # an op of another library: what it does across rows is unknown (a mixture of experts' grouped matmul is
+    # batch-dependent; this one subtracts the mean over the rows)
+    class Foreign(torch.nn.Module):
+        def forward(self, x):
+            return _rows_centered(x @ x.T)
+
+    foreign = compiler.compile(Foreign(), options=CompileOptions(invariant="batch"))
+    a, b = torch.randn(3, 8), torch.randn(5, 8)
+    assert not torch.equal(foreign(a)[0], foreign(torch.cat([a, b]))[0])  # what the report warns of
+    left = tpweave.report(foreign).graphs[0].invariant["not_invariant"]
+    assert list(left) == ["tpwtest.rows_centered.default (not tpweave's nor torch's: not known to be invariant)"], left
+    with pytest.raises(Exception, match="rows_centered"):
+        compiler.compile(Foreign(), options=CompileOptions(invariant="batch", strict=True))(a)
+
+
+@torch.library.custom_op("tpwtest::rows_centered", mutates_args=())
+def _rows_centered(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(0)
+
+
+@_rows_centered.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_token_alone_is_reduced_as_among_others_layer_norm_and_a_long_softmax():
+    """A token dim of size 1 gets a graph of its own. Inductor would reduce its one row otherwise than the dynamic
+    graph's rows: a LayerNorm's variance by Welford there and in two steps for many rows, a long row's softmax split over
+    the CPU's threads. In invariant mode (compiler/options.py _ONE_ROW_AS_MANY) a token's outputs are the same bits
+    alone (B = S = 1) as at (1, 2) and among other sequences; the numbers are the model's."""
+
+    class Norms(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(64)
+            self.up = torch.nn.Linear(64, 4096)
+            torch.nn.init.normal_(self.ln.weight)
+            torch.nn.init.normal_(self.ln.bias)
+
+        def forward(self, x):
+            h = self.ln(x)
+            return h, torch.softmax(self.up(h), dim=-1)
+
+    torch.manual_seed(0)
+    model = Norms().eval()
+    compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
+    token = torch.randn(64)
+    with torch.no_grad():
+        alone = compiled(token.view(1, 1, 64))
+        torch.testing.assert_close(alone, model(token.view(1, 1, 64)))
+        for shape in ((1, 2), (3, 5), (2, 1)):
+            x = torch.randn(*shape, 64)
+            x[-1, -1] = token
+            for got, want in zip(compiled(x), alone, strict=True):
+                assert torch.equal(got[-1, -1], want[0, 0]), (shape, (got[-1, -1] - want[0, 0]).abs().max())
+
 
 @pytest.mark.gpu(gpus=1)
 def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu():

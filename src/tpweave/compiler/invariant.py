@@ -26,8 +26,12 @@ At TP >= 2 every cross-rank sum runs in one fixed order, a tree over the ranks (
 `ordered` strategy, and the SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`):
 a row's sum is the same in the plain graph's all-reduce and in the SP graph's reduce-scatter, whatever M. Ops that
 reduce across rows or pick kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA on a GPU, a
-fused FP8 matmul, a collective that sums in the backend's order) are listed in the report as not invariant; with
-strict=True they raise.
+fused FP8 matmul, a collective that sums in the backend's order), and every op of another library or higher-order op
+the pass does not know (what it does across rows is unknown: a mixture of experts' grouped matmul is batch-dependent)
+are listed in the report as not invariant; with strict=True they raise.
+
+A token dim of size 1 gets a graph of its own; Inductor reduces its one row as the other graphs do their rows under
+the config patches CompileOptions.inductor_config adds in this mode (compiler/options.py _ONE_ROW_AS_MANY).
 """
 
 from __future__ import annotations
@@ -104,6 +108,10 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
             node.args = (MUTABLE_SWAPS[target], *node.args[1:])
         elif target in NOT_INVARIANT or _unordered_collective(node, level):
             name = str(target)
+            left[name] = left.get(name, 0) + 1
+            continue
+        elif (foreign := _foreign_op(node)) is not None:
+            name = f"{foreign} (not tpweave's nor torch's: not known to be invariant)"
             left[name] = left.get(name, 0) + 1
             continue
         else:
@@ -193,6 +201,25 @@ def _unfused_product_sums(graph: fx.Graph) -> list[fx.Node]:
         if isinstance(x, fx.Node) and x.target in (aten.mm.default, aten.addmm.default):
             sums.append(node)
     return sums
+
+
+# namespaces of ops whose semantics the pass knows: torch's own (the ones that reduce across rows are NOT_INVARIANT or
+# swapped), tpweave's, and torch's functional collectives (the summing ones are _unordered_collective)
+KNOWN_NAMESPACES = {"aten", "prims", "tpweave", "_c10d_functional", "c10d", "profiler"}
+
+
+def _foreign_op(node: fx.Node) -> str | None:
+    """The name of the op a node runs when the pass cannot know what it does across rows: a custom op of another
+    library (e.g. transformers' grouped_mm_fallback, a mixture of experts' per-expert matmuls at M = the tokens routed
+    to the expert), directly or under auto_functionalized, or a higher-order op it does not know; None otherwise."""
+    target = node.target
+    if target in AUTO_FUNCTIONALIZED and node.args:
+        target = node.args[0]
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return str(target.name())
+    if isinstance(target, torch._ops.OpOverload) and target.namespace not in KNOWN_NAMESPACES:
+        return str(target)
+    return None
 
 
 def _arg(node: fx.Node, i: int, name: str):

@@ -152,7 +152,26 @@ class CompileOptions:
             for name in ("deterministic", "batch_invariant"):
                 if hasattr(inductor, name):
                     config[name] = True
+            config.update({k: v for k, v in _ONE_ROW_AS_MANY.items() if _has_config(inductor, k)})  # where it has them
         return config
+
+
+def _has_config(module: Any, dotted: str) -> bool:
+    *parents, name = dotted.split(".")
+    for parent in parents:
+        module = getattr(module, parent, None)
+    return hasattr(module, name)
+
+
+# A token dim of size 1 gets a graph of its own (compiler/dynamic.py). Inductor would reduce that graph's single row
+# unlike the dynamic graph's rows: variance by Welford there and in two steps where the rows are many, a long row split
+# over CPU threads or over GPU blocks (a split picked for few rows). These make every graph reduce a row one way.
+_ONE_ROW_AS_MANY = {
+    "split_reductions": False,
+    "cpp.min_chunk_size": 1 << 62,  # no CPU kernel parallel over a reduction (nor over rows: row-wise work is small)
+    "cpp.use_two_step_variance_threshold": 0,  # Welford at every row count
+    "triton.use_two_step_variance_threshold": 0,
+}
 
 
 # The arm every comparison is against: plain TP, the model's NCCL all-reduces, Inductor's own add + norm.
