@@ -353,9 +353,9 @@ def _(x):
 
 def test_a_token_alone_is_reduced_as_among_others_layer_norm_and_a_long_softmax():
     """A token dim of size 1 gets a graph of its own. Inductor would reduce its one row otherwise than the dynamic
-    graph's rows: a LayerNorm's variance by Welford there and in two steps for many rows, a long row's softmax split over
-    the CPU's threads. In invariant mode (compiler/options.py _ONE_ROW_AS_MANY) a token's outputs are the same bits
-    alone (B = S = 1) as at (1, 2) and among other sequences; the numbers are the model's."""
+    graph's rows: a LayerNorm's variance by Welford there and in two steps for many rows, a long row's softmax split
+    over the CPU's threads. In invariant mode (compiler/options.py _ONE_ROW_AS_MANY) a token's outputs are the same
+    bits alone (B = S = 1) as at (1, 2) and among other sequences; the numbers are the model's."""
 
     class Norms(torch.nn.Module):
         def __init__(self):
@@ -509,6 +509,19 @@ def test_an_input_that_would_run_eagerly_is_refused_not_answered():
                 compiled(small, w)
             with pytest.raises(RuntimeError, match="refuses every call from now on"):
                 compiled(torch.randn(6, 8), w)  # a shape with a graph: refused too
+
+    # a forward Dynamo cannot trace: the refusal names the cause, and raising the recompile limit is not the advice
+    compiled = compiler.compile(Branchy(), options=CompileOptions(invariant="batch"))
+    variant = compiled.variant_for(6)
+
+    def untraceable(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("a reason Dynamo gives")
+
+    compiled.variants[variant] = untraceable
+    with pytest.raises(RuntimeError, match="failed to trace this model") as refused:
+        compiled(torch.randn(6, 8), w)
+    assert "(TorchDynamoException: a reason Dynamo gives)" in str(refused.value), refused.value
+    assert "needs a forward Dynamo can trace" in str(refused.value) and "recompile_limit" not in str(refused.value)
 
 
 def test_async_tp_ops_under_the_ordered_strategies_give_the_unfused_ops_bits_and_overlap():

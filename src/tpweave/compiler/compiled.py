@@ -155,6 +155,7 @@ class CompiledTP:
         self.calls[variant] += 1
         _mark_dynamic(inputs)
         num_compiles_before, start = self.compile_report.num_compiles, time.monotonic()
+        trace_error = None
         with _dynamo_budget(len(self.variants)) as watch:
             try:
                 out = self.variants[variant](*args, **kwargs)
@@ -163,8 +164,9 @@ class CompiledTP:
                     raise
                 # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
                 # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
+                trace_error = describe(e)
                 self._note(
-                    f"[{variant}] torch.compile failed to trace this model ({describe(e)}): it runs eagerly, "
+                    f"[{variant}] torch.compile failed to trace this model ({trace_error}): it runs eagerly, "
                     "without tpweave's passes"
                 )
                 self.variants[variant] = self.eager
@@ -191,16 +193,22 @@ class CompiledTP:
             if function not in self.compile_report.recompile_limit_hit_in:
                 self.compile_report.recompile_limit_hit_in.append(function)
         fell_back = [f"Dynamo reached its recompile limit in {f}" for f in watch.functions]
+        advice = []
+        if fell_back:
+            advice.append(
+                "Raise torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles says what each graph specialized "
+                "on) and compile again"
+            )
         if self.variants[variant] is self.eager:
-            fell_back.append("torch.compile failed to trace this model")
+            fell_back.append("torch.compile failed to trace this model" + (f" ({trace_error})" if trace_error else ""))
+            advice.append("Invariant mode needs a forward Dynamo can trace")
         if invariant is not None and fell_back:
             # this call's results (and those of any later input that would need a new graph) came from the eager
             # module, without the invariant kernels: refused from now on rather than returned
             self.not_invariant = (
                 f"invariant={invariant!r}: {'; '.join(fell_back)}, so inputs ran eagerly without the invariant "
                 "kernels and their results would not be invariant; this compiled module refuses every call from now "
-                "on. Raise torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles says what each graph "
-                "specialized on) and compile again"
+                f"on. {'. '.join(advice)}"
             )
             raise RuntimeError(self.not_invariant)
         if self.calls[variant] == 1 and self.variants[variant] is not self.eager:
