@@ -36,6 +36,30 @@ def test_invariant_matmul_gives_a_row_the_same_bits_at_every_m_and_place():
         assert torch.allclose(alone.float(), (row @ w).float(), rtol=1e-2, atol=1e-1)
 
 
+def test_tp_level_products_of_any_width_compile():
+    """invariant="tp" on N not a multiple of the tree product's 64-column tiles (48, 100): the ops return contiguous
+    tensors as their fakes say (Inductor checks the strides of every op it calls), and the numbers are the product's.
+    """
+
+    class Linears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 48), torch.nn.Linear(48, 100, bias=False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Linears().eval()
+    compiled = compiler.compile(model, options=CompileOptions(invariant="tp", strict=True))
+    with torch.no_grad():
+        for m in (1, 5, 37):
+            x = torch.randn(m, 64)
+            torch.testing.assert_close(compiled(x), model(x))
+    swapped = [g.invariant["swapped"] for g in tpweave.report(compiled).graphs]
+    assert all(s.get("aten.mm.default") == 1 and s.get("aten.addmm.default") == 1 for s in swapped), swapped
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invariant_attention_is_the_same_in_prefill_chunks_decode_and_packing(dtype):
     """Each query of a 150-token sequence: prefilled whole, prefilled in chunks after cached context, decoded one by

@@ -299,7 +299,7 @@ def _tree_mm(a: Tensor, b: Tensor, chunks: int) -> Tensor:
     w_tiles = w.reshape(chunks, kc, col_tiles, COL_TILE).permute(0, 2, 1, 3).contiguous()
     partials = [torch.matmul(a_tiles[c][:, None], w_tiles[c][None]) for c in range(chunks)]  # (R, C, T, COL_TILE)
     out = tree_sum(partials).permute(0, 2, 1, 3).reshape(row_tiles * ROW_TILE, col_tiles * COL_TILE)
-    return out[:m, :n]
+    return out[:m, :n].contiguous()  # the ops' fakes are contiguous: N not a multiple of COL_TILE would not be
 
 
 @torch.library.custom_op("tpweave::tp_invariant_mm", mutates_args=())
