@@ -2,6 +2,7 @@
 logits bitwise the same whatever else shares its call, through the kernels, the compiled model and the engine
 (chunked prefill, mixed steps, padding, preemption)."""
 
+import importlib.util
 import random
 
 import pytest
@@ -365,6 +366,53 @@ def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
         compiler.compile(Foreign(), options=CompileOptions(invariant="batch", strict=True))(a)
 
 
+class _Experts(torch.nn.Module):
+    """A mixture of experts as transformers runs one: a router, each token's top 2 experts, the tokens sorted by expert
+    and the experts' products as one grouped matmul (torch's `_grouped_mm`, or transformers' CPU fallback op)."""
+
+    def __init__(self, grouped_mm):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(512, 4, generator=g) / 16, requires_grad=False)
+        self.w = torch.nn.Parameter(torch.randn(4, 512, 384, generator=g) / 16, requires_grad=False)
+        self.grouped_mm = grouped_mm
+
+    def forward(self, x):
+        weights, experts = torch.topk(torch.softmax(x @ self.router, dim=-1), 2)
+        order = torch.sort(experts.reshape(-1), stable=True).indices
+        offs = torch.cumsum(torch.bincount(experts.reshape(-1), minlength=4), 0).to(torch.int32)
+        y = self.grouped_mm(x[order // 2], self.w, offs)
+        out = torch.empty_like(y)
+        out[order] = y * weights.reshape(-1)[order, None]
+        return out.view(-1, 2, 384).sum(1)
+
+
+def test_a_mixture_of_experts_grouped_matmul_is_made_invariant():
+    """A grouped matmul (each expert's rows @ its weight: as many rows as tokens were routed to it) becomes
+    tpweave::invariant_grouped_mm, each group through the invariant row tiles: a token's output alone is the same
+    bits as among others, at both levels; the numbers are the model's. transformers' CPU fallback op included."""
+    # {op: (the grouped matmul, dtype)}: torch's takes bf16 (its meta function refuses fp32)
+    ops = {"aten._grouped_mm.default": (lambda a, b, offs: torch._grouped_mm(a, b, offs=offs), torch.bfloat16)}
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.integrations import moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+        ops["transformers.grouped_mm_fallback.default"] = (
+            lambda a, b, offs: torch.ops.transformers.grouped_mm_fallback(a, b, offs=offs),
+            torch.float32,
+        )
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(1))
+    for name, (grouped_mm, dtype) in ops.items():
+        model, x = _Experts(grouped_mm).to(dtype), x.to(dtype)
+        for level in ("batch", "tp"):
+            compiled = compiler.compile(model, options=CompileOptions(invariant=level, strict=True))
+            alone = compiled(x[:1])
+            torch.testing.assert_close(alone, model(x[:1]), rtol=2e-2, atol=2e-2)
+            for m in (7, 300):
+                assert torch.equal(compiled(x[:m])[:1], alone), (name, level, m)
+            swapped = tpweave.report(compiled).graphs[-1].invariant["swapped"]
+            assert swapped.get(name) == 1, swapped
+
+
 @torch.library.custom_op("tpwtest::rows_centered", mutates_args=())
 def _rows_centered(x: torch.Tensor) -> torch.Tensor:
     return x - x.mean(0)
@@ -546,6 +594,37 @@ def test_an_input_that_would_run_eagerly_is_refused_not_answered():
         compiled(torch.randn(6, 8), w)
     assert "(TorchDynamoException: a reason Dynamo gives)" in str(refused.value), refused.value
     assert "needs a forward Dynamo can trace" in str(refused.value) and "recompile_limit" not in str(refused.value)
+
+
+def test_a_graph_inductor_fails_on_after_the_passes_is_refused_in_invariant_mode(monkeypatch):
+    """Where Inductor fails on a graph after tpweave's passes, the default mode compiles it without them (a note);
+    in invariant mode that graph would have none of the invariant kernels: the call raises, naming the failure."""
+    from tpweave.compiler import tp_pass
+
+    compile_fx = tp_pass.TPBackend._compile
+
+    def failing(self, gm, example_inputs, passes):
+        if passes is not None:
+            raise RuntimeError("a lowering that broke")
+        return compile_fx(self, gm, example_inputs, passes)
+
+    monkeypatch.setattr(tp_pass.TPBackend, "_compile", failing)
+    w, x = torch.randn(8, 8), torch.randn(5, 8)
+    for invariant in (None, "batch"):
+        torch._dynamo.reset()
+        compiled = compiler.compile(_MatMul(), options=CompileOptions(invariant=invariant))
+        if invariant is None:
+            torch.testing.assert_close(compiled(x, w), x @ w)
+            assert any("compiling without our passes" in n for g in tpweave.report(compiled).graphs for n in g.notes)
+            continue
+        with pytest.raises(RuntimeError, match="could not be compiled with tpweave's passes") as refused:
+            compiled(x, w)
+        assert "RuntimeError: a lowering that broke" in str(refused.value), refused.value
+
+
+class _MatMul(torch.nn.Module):
+    def forward(self, x, w):
+        return x @ w
 
 
 def test_async_tp_ops_under_the_ordered_strategies_give_the_unfused_ops_bits_and_overlap():

@@ -65,7 +65,9 @@ def check(arch: str) -> dict:
     for graph in tpweave.report(forward).graphs:
         for name, count in graph.invariant.get("not_invariant", {}).items():
             left[name] = max(left.get(name, 0), count)
-    return {"equal": equal, "err_vs_eager": err, "not_invariant": left}
+    from tpweave.bench.provenance import source_hash
+
+    return {"equal": equal, "err_vs_eager": err, "not_invariant": left, "source_hash": source_hash()}
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
+from tpweave.compiler.invariant import NotInvariant
 from tpweave.compiler.options import CompilePlan
 from tpweave.compiler.report import CompileReport
 from tpweave.compiler.tp_pass import PassFailure, describe
@@ -164,7 +165,8 @@ class CompiledTP:
                     raise
                 # Dynamo could not trace the forward (e.g. torch 2.13's DTensor sharding propagation under
                 # dynamic shapes): the same on every rank, so every rank runs the module eagerly from now on
-                trace_error = describe(e)
+                refused = _cause(e, NotInvariant)  # the backend's: a graph without the passes' invariant kernels
+                trace_error = str(refused) if refused is not None else describe(e)
                 self._note(
                     f"[{variant}] torch.compile failed to trace this model ({trace_error}): it runs eagerly, "
                     "without tpweave's passes"
@@ -239,10 +241,15 @@ class CompiledTP:
 
 def _caused_by(e: BaseException, kind: type) -> bool:
     """Whether `kind` is in e's chain of causes (Dynamo wraps what a backend raises)."""
+    return _cause(e, kind) is not None
+
+
+def _cause(e: BaseException, kind: type) -> BaseException | None:
+    """The first exception of `kind` in e's chain of causes, or None."""
     seen = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, kind):
-            return True
+            return e
         seen.add(id(e))
         e = e.__cause__ or getattr(e, "inner_exception", None) or e.__context__
-    return False
+    return None

@@ -4,6 +4,8 @@ batch-invariant ones (ops/invariant.py), so each token's logits do not depend on
 Before:                                         After:
     y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]))
     y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
+    y = _grouped_mm(x, w_GKN, offs)                 y = tpweave.invariant_grouped_mm(x, w_GKN, offs, False)
+        (or transformers.grouped_mm_fallback: a mixture of experts' experts, each group through the row tiles)
     r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)
     o = tpweave.attention(q, k, v, cu, s)           o = tpweave.invariant_attention(q, k, v, cu, s)
     o = _scaled_dot_product_flash_attention_for_cpu(q, k, v, ...)
@@ -63,6 +65,8 @@ NOT_INVARIANT = {
     aten.baddbmm.default,
     aten.mv.default,
     aten._scaled_mm.default,
+    aten._grouped_mm.default,  # where _grouped_mm_args does not take it (a bias, another output dtype)
+    aten._scaled_grouped_mm.default,
     tpw.scaled_mm.default,  # an FP8 model's matmul (ops/fp8.py): torch._scaled_mm, whose kernel depends on the shape
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
@@ -103,6 +107,10 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
             node.target = tpw.tp_invariant_addmm.default if tp else tpw.invariant_addmm.default
             node.args, node.kwargs = (bias, a, b, float(beta), float(alpha)), {}
+        elif (grouped := _grouped_mm_args(node)) is not None:
+            node.target = tpw.invariant_grouped_mm.default
+            node.args, node.kwargs = (*grouped, tp), {}
+            node.meta.pop("eager_input_vals", None)  # the custom op's inputs, by its own schema: not this op's
         elif target in AUTO_FUNCTIONALIZED and node.args and node.args[0] in MUTABLE_SWAPS:
             target = node.args[0]
             node.args = (MUTABLE_SWAPS[target], *node.args[1:])
@@ -198,7 +206,7 @@ def _unfused_product_sums(graph: fx.Graph) -> list[fx.Node]:
             continue
         while isinstance(x, fx.Node) and (x.target in VIEW_OPS or x.target in SAME_SHAPE_OPS):
             x = x.args[0]
-        if isinstance(x, fx.Node) and x.target in (aten.mm.default, aten.addmm.default):
+        if isinstance(x, fx.Node) and (x.target in (aten.mm.default, aten.addmm.default) or _grouped_mm_args(x)):
             sums.append(node)
     return sums
 
@@ -219,6 +227,28 @@ def _foreign_op(node: fx.Node) -> str | None:
         return str(target.name())
     if isinstance(target, torch._ops.OpOverload) and target.namespace not in KNOWN_NAMESPACES:
         return str(target)
+    return None
+
+
+# a grouped matmul as a mixture of experts runs its experts, (a (S, K), b (G, K, N), offs (G,)): torch's, and
+# transformers' own CPU fallback (a custom op, matched by name: transformers need not be importable here)
+GROUPED_MM_FALLBACKS = {"transformers.grouped_mm_fallback.default"}
+
+
+def _grouped_mm_args(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(a, b, offs) of a grouped matmul that tpweave::invariant_grouped_mm computes; None for anything else."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten._grouped_mm.default:
+        a, b = node.args[:2]
+        offs, bias, out_dtype = (_arg(node, i, name) for i, name in ((2, "offs"), (3, "bias"), (4, "out_dtype")))
+        if offs is None or bias is not None or val(a).dim() != 2 or val(b).dim() != 3:
+            return None
+        if out_dtype is not None and out_dtype != val(a).dtype:
+            return None
+        return a, b, offs
+    if str(node.target) in GROUPED_MM_FALLBACKS:
+        return _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "offs")
     return None
 
 

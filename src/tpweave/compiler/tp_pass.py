@@ -113,7 +113,8 @@ class TPWeavePass(CustomGraphPass):
 class TPBackend:
     """A torch.compile backend: Inductor plus our pass. If our pass or Inductor fails: Inductor without
     our pass; last, the graph uncompiled. Each fallback is a warning and a note in the report: a model
-    never crashes for our sake, unless `strict` (then a failure of our pass raises)."""
+    never crashes for our sake, unless `strict` (then a failure of our pass raises) or in invariant mode
+    (the graph would run without the invariant kernels: NotInvariant, and the compiled module refuses calls)."""
 
     def __init__(self, *, variant: str, tp: TPGroup, plan: CompilePlan, report: CompileReport):
         self.variant, self.tp, self.options, self.strict = variant, tp, plan.variants[variant], plan.strict
@@ -135,6 +136,13 @@ class TPBackend:
                 self._note(graph_report, f"passes failed ({describe(tp_pass.error)}); compiled without them")
             else:
                 self._note(graph_report, f"Inductor failed ({describe(e)}); compiling without our passes")
+            if self.options.invariant is not None:
+                # without the passes the graph has none of the invariant kernels: refused (compiled.py), never run
+                what = describe(tp_pass.error) if tp_pass.error is not None else f"Inductor failed: {describe(e)}"
+                raise invariant.NotInvariant(
+                    f"[{self.variant}] a graph could not be compiled with tpweave's passes ({what}); without them it "
+                    "would not be invariant"
+                ) from e
         graph_report.sites.clear()
         graph_report.linears = graph_report.gated_linears = graph_report.norm_linears = 0
         graph_report.counts_after = dict(graph_report.counts_before)  # the graph keeps its own collectives

@@ -6,7 +6,8 @@ one row, other tilings and K splits at others). Here every matmul runs on row ti
 
     invariant_mm(a (M, K), b (K, N)):   a padded to whole tiles of ROW_TILE rows, one (ROW_TILE, K) @ (K, N) per tile
 
-so each row always meets the same kernel, with the same reduction order over K.
+so each row always meets the same kernel, with the same reduction order over K (a grouped matmul's groups too:
+invariant_grouped_mm).
 
 Attention: one query's output is computed the same way whether it is one of many new tokens (prefill, a chunk) or
 the only one (decode): its sequence's keys in chunks of KV_CHUNK positions, in order, each chunk's scores and
@@ -79,6 +80,27 @@ def _scaled_add(product: Tensor, bias: Tensor, beta: float, alpha: float) -> Ten
 @invariant_addmm.register_fake
 def _(bias, a, b, beta=1.0, alpha=1.0):
     return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("tpweave::invariant_grouped_mm", mutates_args=())
+def invariant_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, tree: bool) -> Tensor:
+    """A grouped matmul (a mixture of experts' experts): a (S, K), its rows sorted by group; b (G, K, N); offs (G,)
+    each group's end row. Group g's rows @ b[g], each as invariant_mm's product (tree=True: tp_invariant_mm's), so a
+    row's result does not depend on how many rows its group or the call holds; rows past the last group are zeros.
+    (`tree` has no default: Inductor drops an argument passed at its default and then miscounts them.)"""
+    out = a.new_zeros(a.shape[0], b.shape[2])
+    start = 0
+    for g, end in enumerate(offs.tolist()):  # one host read, as torch's own fallbacks do
+        if end > start:
+            rows = a[start:end]
+            out[start:end] = _tree_mm(rows, b[g], K_CHUNKS) if tree else _mm(rows, b[g])
+        start = end
+    return out
+
+
+@invariant_grouped_mm.register_fake
+def _(a, b, offs, tree):
+    return a.new_empty(a.shape[0], b.shape[2])
 
 
 def _attend(q_nHD: Tensor, pos_n: Tensor, k_LKD: Tensor, v_LKD: Tensor, scale: float) -> Tensor:
