@@ -132,17 +132,19 @@ def commit_source_hash(commit: str) -> str | None:
 @functools.lru_cache(maxsize=4)
 def _history_hashes(commits: tuple[str, ...]) -> dict[str, str]:
     """_commit_hashes of a run of commits, kept: a commit's sources never change, and a report describing many
-    results walks the same history for each (300 `git ls-tree` calls apiece)."""
+    results walks the same history for each (a `git ls-tree` call per commit)."""
     return _commit_hashes(list(commits))
 
 
-def commit_of_sources(digest: str | None, *, max_commits: int = 300) -> str | None:
-    """The commit (of this checkout's last `max_commits`) that brought in the newest src/tpweave with this
-    source_hash: the oldest of the run of commits that have it, so commits that leave the sources alone do not
-    change the answer."""
+def commit_of_sources(digest: str | None, *, max_commits: int | None = None) -> str | None:
+    """The commit (of this checkout's history, or of its last `max_commits`) that brought in the newest src/tpweave
+    with this source_hash: the oldest of the run of commits that have it, so commits that leave the sources alone do
+    not change the answer. The whole history by default: an answer that changed as commits are added would make a
+    summary generated from the same results differ from one day to the next."""
     if not digest:
         return None
-    commits = (_git("rev-list", f"--max-count={max_commits}", "HEAD") or "").split()
+    limit = [f"--max-count={max_commits}"] if max_commits is not None else []
+    commits = (_git("rev-list", *limit, "HEAD") or "").split()
     hashes = _history_hashes(tuple(commits))
     found = None
     for commit in commits:  # newest first
