@@ -620,6 +620,8 @@ def test_a_graph_inductor_fails_on_after_the_passes_is_refused_in_invariant_mode
         with pytest.raises(RuntimeError, match="could not be compiled with tpweave's passes") as refused:
             compiled(x, w)
         assert "RuntimeError: a lowering that broke" in str(refused.value), refused.value
+        notes = [n for g in tpweave.report(compiled).graphs for n in g.notes]
+        assert any("refused" in n for n in notes) and not any("without our passes" in n for n in notes), notes
 
 
 class _MatMul(torch.nn.Module):

@@ -133,16 +133,17 @@ class TPBackend:
             if tp_pass.error is not None:
                 if self.strict:
                     raise PassFailure(f"[{self.variant}] tpweave's passes failed: {describe(tp_pass.error)}") from e
-                self._note(graph_report, f"passes failed ({describe(tp_pass.error)}); compiled without them")
+                what, fallback = f"passes failed ({describe(tp_pass.error)})", "compiled without them"
             else:
-                self._note(graph_report, f"Inductor failed ({describe(e)}); compiling without our passes")
+                what, fallback = f"Inductor failed ({describe(e)})", "compiling without our passes"
             if self.options.invariant is not None:
                 # without the passes the graph has none of the invariant kernels: refused (compiled.py), never run
-                what = describe(tp_pass.error) if tp_pass.error is not None else f"Inductor failed: {describe(e)}"
+                self._note(graph_report, f"{what}; refused: without tpweave's passes it would not be invariant")
                 raise invariant.NotInvariant(
                     f"[{self.variant}] a graph could not be compiled with tpweave's passes ({what}); without them it "
                     "would not be invariant"
                 ) from e
+            self._note(graph_report, f"{what}; {fallback}")
         graph_report.sites.clear()
         graph_report.linears = graph_report.gated_linears = graph_report.norm_linears = 0
         graph_report.counts_after = dict(graph_report.counts_before)  # the graph keeps its own collectives
