@@ -455,6 +455,32 @@ def test_a_token_alone_is_reduced_as_among_others_layer_norm_and_a_long_softmax(
                 assert torch.equal(got[-1, -1], want[0, 0]), (shape, (got[-1, -1] - want[0, 0]).abs().max())
 
 
+def test_a_token_alone_is_reduced_as_among_others_a_short_softmax():
+    """A reduction of fewer than 8 elements (a mixture of experts' router softmax over 4 experts) is unrolled by
+    Inductor into a chain of adds, ((a + b) + c) + d, in the graph of many rows, but on the CPU stays a vectorized
+    reduction, a tree over SIMD lanes, in the graph of one row. In invariant mode (compiler/options.py
+    _ONE_ROW_AS_MANY) every token's router probabilities are the same bits alone as among others."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(64, 4, bias=False)
+
+        def forward(self, x):
+            return torch.softmax(self.gate(x).float(), dim=-1)
+
+    torch.manual_seed(0)
+    model = Router().eval()
+    compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
+    x = 4 * torch.randn(1, 48, 64)
+    with torch.no_grad():
+        together = compiled(x)
+        for i in range(x.shape[1]):
+            alone = compiled(x[:, i : i + 1])
+            torch.testing.assert_close(alone, model(x[:, i : i + 1]))
+            assert torch.equal(together[0, i], alone[0, 0]), (i, (together[0, i] - alone[0, 0]).abs().max())
+
+
 @pytest.mark.gpu(gpus=1)
 def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu():
     """ops/invariant_kernels.py compiled on the GPU (bf16, llama3-8b's shapes): a row's matmul result alone, among

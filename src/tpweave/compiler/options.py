@@ -165,9 +165,12 @@ def _has_config(module: Any, dotted: str) -> bool:
 
 # A token dim of size 1 gets a graph of its own (compiler/dynamic.py). Inductor would reduce that graph's single row
 # unlike the dynamic graph's rows: variance by Welford there and in two steps where the rows are many, a long row split
-# over CPU threads or over GPU blocks (a split picked for few rows). These make every graph reduce a row one way.
+# over CPU threads or over GPU blocks (a split picked for few rows), a short row (< 8 elements: a router's softmax over
+# its experts) summed as a chain of adds where the rows are many but over SIMD lanes (a tree) where there is one row
+# on the CPU. These make every graph reduce a row one way.
 _ONE_ROW_AS_MANY = {
     "split_reductions": False,
+    "unroll_reductions_threshold": 1,  # no short reduction unrolled into adds (Inductor's "disable with 1")
     "cpp.min_chunk_size": 1 << 62,  # no CPU kernel parallel over a reduction (nor over rows: row-wise work is small)
     "cpp.use_two_step_variance_threshold": 0,  # Welford at every row count
     "triton.use_two_step_variance_threshold": 0,
