@@ -8,7 +8,7 @@
 #   python -c "from tpweave.bench.provenance import write_manifest; print(write_manifest())"
 # and carry .tpweave-manifest.json. Then from the repository root on the GPU box:
 #   bash benchmarks/invariant_session.sh [MODEL] [STEPS...]     (steps: tests cost attention matmul; default the
-#   first three)
+#   first three; COST_RUNS, e.g. "default batch", names the cost step's runs in order: batch* in invariant mode)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
@@ -27,15 +27,17 @@ for step in $STEPS; do
             > "$R/gpu-tests.log" 2>&1
         echo "rc=$?" >> "$R/gpu-tests.log" ;;
     cost)
-        # default, invariant, default again: the second default run is the A/A control
-        for run in default batch default-again; do
-            flags=(); [ "$run" = batch ] && flags=(--invariant batch)
+        # default, invariant, default again (COST_RUNS): the last default run against the first is the A/A control
+        runs=(${COST_RUNS:-default batch default-again}); defaults=(); invariants=()
+        for run in "${runs[@]}"; do
+            flags=(); case $run in batch*) flags=(--invariant batch); invariants+=("$R/engine-$run.json") ;;
+                                   *) defaults+=("$R/engine-$run.json") ;; esac
             timeout 240 python -m tpweave bench engine --model "$MODEL" -tp 1 --num-iters 48 "${flags[@]}" \
                 --output-dir "$R" --name "engine-$run" > "$R/engine-$run.log" 2>&1
             echo "rc=$?" >> "$R/engine-$run.log"
         done
-        python benchmarks/probes/invariant_cost.py "$R/engine-default.json" "$R/engine-batch.json" \
-            "$R/engine-default-again.json" --out "$R/invariant-cost.json" > "$R/invariant-cost.log" 2>&1 ;;
+        python benchmarks/probes/invariant_cost.py --default "${defaults[@]}" --invariant "${invariants[@]}" \
+            --out "$R/invariant-cost.json" > "$R/invariant-cost.log" 2>&1 ;;
     attention)
         (cd benchmarks/probes && timeout 240 python invariant_attention_probe.py --out "$R") > "$R/attention.log" 2>&1
         echo "rc=$?" >> "$R/attention.log" ;;

@@ -3,12 +3,13 @@ run one after the other, their engine steps compared per row: decode steps at ea
 single call, back-to-back forward and whole request, the mixed step's single call.
 
 The runs are separate processes, so their samples are not paired: each ratio's 95% interval comes from resampling
-each arm's samples on their own. Run the default mode twice, before and after invariant mode (A B A): the invariant
-run is compared with both default runs' samples pooled (a drift of the GPU over the session cancels to first order),
-and the second default run against the first is the A/A control. An A/A interval that excludes 1 says the session
-drifted by more than the intervals allow: its costs are then not to be trusted.
+each arm's samples on their own. Run each mode more than once, alternating (A B A, or A B A B): each arm's runs are
+pooled (a drift of the GPU over the session cancels to first order), and the last default run against the first is
+the A/A control. An A/A interval that excludes 1 says the session drifted by more than the intervals allow: its
+costs are then not to be trusted.
 
-    python benchmarks/probes/invariant_cost.py DEFAULT.json INVARIANT.json [DEFAULT_AGAIN.json] [--out cost.json]
+    python benchmarks/probes/invariant_cost.py --default D1.json [D2.json ...] --invariant I1.json [I2.json ...]
+        [--out cost.json]
 """
 
 import argparse
@@ -40,26 +41,27 @@ def _samples(result: dict, what: str, key: str, value, field: str) -> list[float
     return (match[0].get(f"{field}_samples") or None) if match else None
 
 
-def compare(default: dict, invariant: dict, default_again: dict | None = None) -> list[dict]:
-    """One row per (step, field) that every run measured: the invariant run's cost against the default runs' pooled
-    samples, and with a second default run, the A/A ratio (second over first) and its interval."""
+def compare(defaults: list[dict], invariants: list[dict]) -> list[dict]:
+    """One row per (step, field) that every run measured: the invariant runs' pooled samples against the default
+    runs' pooled samples, and with two default runs or more, the A/A ratio (last default run over the first) and its
+    interval."""
     rows = []
-    for row in invariant["rows"]:
+    for row in invariants[0]["rows"]:
         what = row["what"]
         key = KEYS.get(what)
         if key is None:
             continue
         for field in FIELDS[what]:
-            a = _samples(invariant, what, key, row[key], field)
-            bases = [_samples(r, what, key, row[key], field) for r in (default, default_again) if r is not None]
-            if not a or not all(bases):
+            arms = [[_samples(r, what, key, row[key], field) for r in runs] for runs in (defaults, invariants)]
+            if not all(s for runs in arms for s in runs):
                 continue
-            pooled = [x for b in bases for x in b]
-            ratio, lo, hi = unpaired_ratio(a, pooled)
-            out = {"what": what, key: row[key], "field": field, "default_ms": float(np.median(pooled)),
-                   "invariant_ms": float(np.median(a)), "cost": ratio, "lo": lo, "hi": hi}  # fmt: skip
-            if len(bases) == 2:
-                aa, aa_lo, aa_hi = unpaired_ratio(bases[1], bases[0])
+            base, inv = ([x for s in runs for x in s] for runs in arms)
+            ratio, lo, hi = unpaired_ratio(inv, base)
+            out = {"what": what, key: row[key], "field": field, "default_ms": float(np.median(base)),
+                   "invariant_ms": float(np.median(inv)), "cost": ratio, "lo": lo, "hi": hi,
+                   "runs": [len(defaults), len(invariants)]}  # fmt: skip
+            if len(defaults) > 1:
+                aa, aa_lo, aa_hi = unpaired_ratio(arms[0][-1], arms[0][0])
                 out |= {"a_a": aa, "a_a_lo": aa_lo, "a_a_hi": aa_hi, "a_a_holds": bool(aa_lo <= 1 <= aa_hi)}
             rows.append(out)
     return rows
@@ -67,13 +69,12 @@ def compare(default: dict, invariant: dict, default_again: dict | None = None) -
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("default")
-    p.add_argument("invariant")
-    p.add_argument("default_again", nargs="?", default=None, help="a second default run after the invariant one")
+    p.add_argument("--default", nargs="+", required=True, help="the default mode's runs, in the order they ran")
+    p.add_argument("--invariant", nargs="+", required=True, help="--invariant batch runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    runs = [json.load(open(f)) if f else None for f in (args.default, args.invariant, args.default_again)]
-    rows = compare(*runs)
+    load = lambda files: [json.load(open(f)) for f in files]  # noqa: E731
+    rows = compare(load(args.default), load(args.invariant))
     if not rows:
         raise SystemExit("no step measured by every run: nothing to compare")
     for r in rows:
@@ -84,9 +85,8 @@ def main() -> None:
             f"{r['invariant_ms']:8.3f} ms  cost {r['cost']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}]{aa}"
         )
     if args.out:
-        sources = {"default": args.default, "invariant": args.invariant, "default_again": args.default_again}
         with open(args.out, "w") as f:
-            json.dump({"sources": sources, "rows": rows}, f, indent=1)
+            json.dump({"sources": {"default": args.default, "invariant": args.invariant}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
