@@ -326,18 +326,20 @@ def test_invariant_options_refuse_what_is_not_built():
 
 
 def test_an_op_the_pass_cannot_make_invariant_is_reported_or_raises():
-    class Batched(torch.nn.Module):
+    class Scaled(torch.nn.Module):  # torch's FP8 matmul: its kernel depends on the shape
         def forward(self, x, w):
-            return torch.bmm(x, w).sum(0) @ w[0]
+            one = torch.ones((), dtype=torch.float32)
+            xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            return torch._scaled_mm(xq, wq.t(), one, one, out_dtype=torch.float32) @ w
 
-    x, w = torch.randn(2, 5, 8), torch.randn(2, 8, 8)
-    loose = compiler.compile(Batched(), options=CompileOptions(invariant="batch"))
-    torch.testing.assert_close(loose(x, w), Batched()(x, w))
+    x, w = torch.randn(16, 32), torch.randn(32, 32)
+    loose = compiler.compile(Scaled(), options=CompileOptions(invariant="batch"))
+    torch.testing.assert_close(loose(x, w), Scaled()(x, w))
     report = tpweave.report(loose).graphs[0]
-    assert report.invariant["not_invariant"] == {"aten.bmm.default": 1}
+    assert report.invariant["not_invariant"] == {"aten._scaled_mm.default": 1}
     assert report.invariant["swapped"] == {"aten.mm.default": 1}
-    assert any("not batch-invariant: aten.bmm.default x1" in n for n in report.notes)
-    strict = compiler.compile(Batched(), options=CompileOptions(invariant="batch", strict=True))
+    assert any("not batch-invariant: aten._scaled_mm.default x1" in n for n in report.notes)
+    strict = compiler.compile(Scaled(), options=CompileOptions(invariant="batch", strict=True))
     with pytest.raises(Exception, match="not batch-invariant"):
         strict(x, w)
 
@@ -411,6 +413,86 @@ def test_a_mixture_of_experts_grouped_matmul_is_made_invariant():
                 assert torch.equal(compiled(x[:m])[:1], alone), (name, level, m)
             swapped = tpweave.report(compiled).graphs[-1].invariant["swapped"]
             assert swapped.get(name) == 1, swapped
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(gpus=1))])
+def test_invariant_batched_matmul_gives_an_element_the_same_bits_at_every_shape_and_padded_k(device):
+    """tpweave::invariant_bmm / invariant_baddbmm: an element's result depends on its row of a and its column of b
+    alone: not on the batch, the rows, the columns, nor zeros appended to K (an attention's probabilities over a
+    right-padded key length); the numbers are torch's. On a GPU, bf16 runs the Triton matmul per matrix."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(12, 100, 150, generator=g).to(device, dtype)
+        b = torch.randn(12, 150, 130, generator=g).to(device, dtype)
+        bias = torch.randn(12, 1, 130, generator=g).to(device, dtype)
+        a[..., 40:] = 0  # row 7's K: 40 values, then zeros
+        alone = torch.ops.tpweave.invariant_bmm(a[3:4, 7:8, :40], b[3:4, :40, 5:6])
+        alone_b = torch.ops.tpweave.invariant_baddbmm(bias[3:4, :, 5:6], a[3:4, 7:8, :40], b[3:4, :40, 5:6], 0.5, 0.3)
+        for nb, m, k, n in ((4, 8, 40, 6), (4, 9, 64, 17), (12, 100, 65, 130), (12, 100, 150, 130)):
+            got = torch.ops.tpweave.invariant_bmm(a[:nb, :m, :k], b[:nb, :k, :n])
+            assert torch.equal(got[3:4, 7:8, 5:6], alone), (dtype, nb, m, k, n)
+            got = torch.ops.tpweave.invariant_baddbmm(bias[:nb, :, :n], a[:nb, :m, :k], b[:nb, :k, :n], 0.5, 0.3)
+            assert torch.equal(got[3:4, 7:8, 5:6], alone_b), (dtype, nb, m, k, n)
+        want = torch.baddbmm(bias.float(), a.float(), b.float(), beta=0.5, alpha=0.3)
+        got = torch.ops.tpweave.invariant_baddbmm(bias, a, b, 0.5, 0.3)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-1)
+        nan = torch.full_like(bias, float("nan"))  # beta 0: the input is not read (torch's baddbmm)
+        tpw = torch.ops.tpweave
+        assert torch.equal(tpw.invariant_baddbmm(nan, a, b, 0.0, 1.0), tpw.invariant_bmm(a, b))
+
+
+class _EagerAttention(torch.nn.Module):
+    """A Hugging Face model's eager attention: scores by torch.matmul (a bmm in the graph) or by baddbmm over an
+    ALiBi-like bias (BLOOM), a causal and padding mask, softmax, torch.matmul with the values."""
+
+    def __init__(self, baddbmm: bool, heads: int = 4, head_dim: int = 64):
+        super().__init__()
+        self.heads, self.head_dim, self.baddbmm = heads, head_dim, baddbmm
+        self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim, bias=False)
+        self.slopes = torch.nn.Parameter(torch.rand(heads, 1, 1))
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        scale = self.head_dim**-0.5
+        if self.baddbmm:
+            alibi = (self.slopes * torch.arange(s, dtype=x.dtype)).repeat(b, 1, 1)  # (B * H, 1, S)
+            flat = (b * self.heads, s, self.head_dim)
+            scores = torch.baddbmm(alibi, q.reshape(flat), k.reshape(flat).transpose(1, 2), beta=1.0, alpha=scale)
+            scores = scores.view(b, self.heads, s, s)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        keep = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & mask[:, None, None, :].bool()
+        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        return torch.matmul(p, v).transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("baddbmm", [False, True], ids=["matmul", "baddbmm"])
+def test_eager_attention_batched_matmuls_are_made_invariant(baddbmm):
+    """Eager attention's batched matmuls (compiler/invariant.py: bmm and baddbmm swapped for tpweave's): a sequence's
+    outputs alone are the same bits as its row of a right-padded batch, whose padding keys are masked (the scores' and
+    the values' products over the padded key length), at both levels; the numbers are the model's."""
+    torch.manual_seed(0)
+    model = _EagerAttention(baddbmm).eval()
+    g = torch.Generator().manual_seed(1)
+    for level in ("batch", "tp"):
+        torch._dynamo.reset()  # Dynamo's recompile limit counts every compile of this model class in the process
+        compiled = compiler.compile(model, options=CompileOptions(invariant=level, strict=True))
+        with torch.no_grad():
+            for length in (1, 6, 37):
+                target = torch.randn(1, length, 256, generator=g)
+                alone = compiled(target, torch.ones(1, length))
+                torch.testing.assert_close(alone, model(target, torch.ones(1, length)), rtol=1e-4, atol=1e-5)
+                for others in ((40,), (100, 3)):
+                    width = max(*others, length)
+                    x, mask = torch.randn(len(others) + 1, width, 256, generator=g), torch.zeros(len(others) + 1, width)
+                    for i, n in enumerate((*others, length)):
+                        mask[i, :n] = 1
+                    x[-1, :length] = target[0]
+                    got = compiled(x, mask)[-1, :length]
+                    assert torch.equal(got, alone[0]), (level, length, others, (got - alone[0]).abs().max())
+        swapped = tpweave.report(compiled).graphs[-1].invariant["swapped"]
+        assert swapped.get("aten.baddbmm.default" if baddbmm else "aten.bmm.default") == (1 if baddbmm else 2)
 
 
 @torch.library.custom_op("tpwtest::rows_centered", mutates_args=())

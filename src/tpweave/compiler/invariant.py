@@ -4,6 +4,10 @@ batch-invariant ones (ops/invariant.py), so each token's logits do not depend on
 Before:                                         After:
     y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]))
     y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
+    s = bmm(q_BMK, k_BKN)                           s = tpweave.invariant_bmm(q_BMK, k_BKN)
+    s = baddbmm(bias, q, k, beta=b, alpha=a)        s = tpweave.invariant_baddbmm(bias, q, k, b, a)
+        (a Hugging Face model's eager attention: torch.matmul is bmm by now; K in fixed chunks, so the product over a
+        right-padded key length, its padding probabilities exact zeros, is the product over the sequence's own keys)
     y = _grouped_mm(x, w_GKN, offs)                 y = tpweave.invariant_grouped_mm(x, w_GKN, offs, False)
         (or transformers.grouped_mm_fallback: a mixture of experts' experts, each group through the row tiles)
     r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)
@@ -20,6 +24,8 @@ Level "tp" (CompileOptions(invariant="tp"): the same bits at TP 1, 2, 4, 8; ops/
                                                     r = tpweave.tp_invariant_mm_reduce_scatter(x, wt, g, W)
 (the token-split graph's row-parallel products and their sums are already tpweave.tp_invariant_rank_subtree, an
 all-gather and tpweave.ordered_sum_gathered: compiler/allreduce.py order_all_reduces)
+A batched matmul keeps its batch form at this level: attention's (heads sharded, K = head dim or key length whole
+on every rank) is no row-parallel product; one whose product a sum over ranks reads is listed as not invariant.
 
 The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
 every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
@@ -27,10 +33,10 @@ every M (tpweave compiles M as a dynamic size), so a row is reduced the same way
 At TP >= 2 every cross-rank sum runs in one fixed order, a tree over the ranks (the plan routes every site to the
 `ordered` strategy, and the SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`):
 a row's sum is the same in the plain graph's all-reduce and in the SP graph's reduce-scatter, whatever M. Ops that
-reduce across rows or pick kernels per shape and are not tpweave's own (a batched matmul, torch's SDPA on a GPU, a
-fused FP8 matmul, a collective that sums in the backend's order), and every op of another library or higher-order op
-the pass does not know (what it does across rows is unknown: a mixture of experts' grouped matmul is batch-dependent)
-are listed in the report as not invariant; with strict=True they raise.
+reduce across rows or pick kernels per shape and are not tpweave's own (a matrix-vector product, torch's SDPA on a
+GPU, a fused FP8 matmul, a collective that sums in the backend's order), and every op of another library or
+higher-order op the pass does not know (what it does across rows is unknown: a mixture of experts' grouped matmul is
+batch-dependent) are listed in the report as not invariant; with strict=True they raise.
 
 A token dim of size 1 gets a graph of its own; Inductor reduces its one row as the other graphs do their rows under
 the config patches CompileOptions.inductor_config adds in this mode (compiler/options.py _ONE_ROW_AS_MANY).
@@ -53,6 +59,7 @@ AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.hig
 
 SWAPS = {
     aten.mm.default: tpw.invariant_mm.default,
+    aten.bmm.default: tpw.invariant_bmm.default,
     tpw.attention.default: tpw.invariant_attention.default,
     tpw.reduce_scatter_tokens.default: tpw.ordered_reduce_scatter_tokens.default,
     # torch's SDPA on a CPU (e.g. a Hugging Face model's attention)
@@ -61,8 +68,6 @@ SWAPS = {
 MUTABLE_SWAPS = {tpw.paged_attention.default: tpw.invariant_paged_attention.default}
 # ops whose result for a row may depend on the other rows of the call, that this pass cannot swap
 NOT_INVARIANT = {
-    aten.bmm.default,
-    aten.baddbmm.default,
     aten.mv.default,
     aten._scaled_mm.default,
     aten._grouped_mm.default,  # where _grouped_mm_args does not take it (a bias, another output dtype)
@@ -106,6 +111,11 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
             node.target = tpw.tp_invariant_addmm.default if tp else tpw.invariant_addmm.default
+            node.args, node.kwargs = (bias, a, b, float(beta), float(alpha)), {}
+        elif target is aten.baddbmm.default:
+            bias, a, b = node.args[:3]
+            beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+            node.target = tpw.invariant_baddbmm.default
             node.args, node.kwargs = (bias, a, b, float(beta), float(alpha)), {}
         elif (grouped := _grouped_mm_args(node)) is not None:
             node.target = tpw.invariant_grouped_mm.default
@@ -192,6 +202,9 @@ def _fuse_row_parallel(graph: fx.Graph) -> dict[str, int]:
     return fused
 
 
+PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+
+
 def _unfused_product_sums(graph: fx.Graph) -> list[fx.Node]:
     """level "tp": the sums over ranks left whose input is a matmul's product (through reshapes, casts and copies):
     their ranks' parts were each rounded alone, so the sum is not the TP=1 product's. A sum of something else (a
@@ -206,7 +219,7 @@ def _unfused_product_sums(graph: fx.Graph) -> list[fx.Node]:
             continue
         while isinstance(x, fx.Node) and (x.target in VIEW_OPS or x.target in SAME_SHAPE_OPS):
             x = x.args[0]
-        if isinstance(x, fx.Node) and (x.target in (aten.mm.default, aten.addmm.default) or _grouped_mm_args(x)):
+        if isinstance(x, fx.Node) and (x.target in PRODUCTS or _grouped_mm_args(x)):
             sums.append(node)
     return sums
 

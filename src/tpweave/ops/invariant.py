@@ -7,7 +7,9 @@ one row, other tilings and K splits at others). Here every matmul runs on row ti
     invariant_mm(a (M, K), b (K, N)):   a padded to whole tiles of ROW_TILE rows, one (ROW_TILE, K) @ (K, N) per tile
 
 so each row always meets the same kernel, with the same reduction order over K (a grouped matmul's groups too:
-invariant_grouped_mm).
+invariant_grouped_mm). A batched matmul (invariant_bmm: eager attention's scores and values) also walks K in fixed
+chunks of BMM_K_CHUNK from index 0: its K may be a key length padded to the batch's longest sequence, whose padding
+probabilities are exact zeros, and a chunk of zeros added to the sum changes no bit.
 
 Attention: one query's output is computed the same way whether it is one of many new tokens (prefill, a chunk) or
 the only one (decode): its sequence's keys in chunks of KV_CHUNK positions, in order, each chunk's scores and
@@ -101,6 +103,77 @@ def invariant_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, tree: bool) -> Tens
 @invariant_grouped_mm.register_fake
 def _(a, b, offs, tree):
     return a.new_empty(a.shape[0], b.shape[2])
+
+
+BMM_K_CHUNK = 64  # K per step of a batched matmul's reduction
+
+
+def _chunked_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a (B, M, K) @ b (B, K, N) in fp32: K zero-padded to whole BMM_K_CHUNK chunks from index 0, each chunk's
+    product over fixed (ROW_TILE, BMM_K_CHUNK) x (BMM_K_CHUNK, COL_TILE) tiles (M and N zero-padded to whole tiles),
+    the chunks' products added in order. An element's sum is the same whatever B, M, N and however many zeros end K
+    (a chunk of zeros adds exact zeros)."""
+    nb, m, k = a.shape
+    n = b.shape[2]
+    pm, pk, pn = -m % ROW_TILE, -k % BMM_K_CHUNK, -n % COL_TILE
+    a = torch.nn.functional.pad(a.float(), (0, pk, 0, pm))
+    b = torch.nn.functional.pad(b.float(), (0, pn, 0, pk))
+    rows, chunks, cols = (m + pm) // ROW_TILE, (k + pk) // BMM_K_CHUNK, (n + pn) // COL_TILE
+    a_tiles = a.reshape(nb, rows, ROW_TILE, chunks, BMM_K_CHUNK).permute(3, 0, 1, 2, 4)  # (chunks, B, R, T, C)
+    b_tiles = b.reshape(nb, chunks, BMM_K_CHUNK, cols, COL_TILE).permute(1, 0, 3, 2, 4)  # (chunks, B, cols, C, N)
+    acc = None
+    for c in range(chunks):
+        part = torch.matmul(a_tiles[c][:, :, None], b_tiles[c][:, None])  # (B, R, cols, ROW_TILE, COL_TILE)
+        acc = part if acc is None else acc + part
+    if acc is None:  # K = 0
+        return a.new_zeros(nb, m, n)
+    return acc.permute(0, 1, 3, 2, 4).reshape(nb, rows * ROW_TILE, cols * COL_TILE)[:, :m, :n]
+
+
+def _bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """alpha * (a @ b) + beta * bias (bias None: the product alone; beta 0: bias not read), batched, in a's dtype."""
+    nb, m, _ = a.shape
+    n = b.shape[2]
+    if bias is not None and beta != 0:
+        bias = torch.broadcast_to(bias, (nb, m, n))
+    else:
+        bias = None
+    if nb and invariant_kernels.mm_supported(a[0], b[0]):  # per matrix: the Triton matmul walks K in order
+        out = a.new_empty(nb, m, n)
+        for i in range(nb):
+            out[i] = invariant_kernels.matmul(a[i], b[i], None if bias is None else bias[i], beta, alpha)
+        return out
+    out = _chunked_bmm(a, b)
+    if alpha != 1.0:
+        out = out * alpha
+    if bias is not None:
+        out = out + (bias.float() if beta == 1.0 else beta * bias.float())
+    return out.to(a.dtype).contiguous()
+
+
+@torch.library.custom_op("tpweave::invariant_bmm", mutates_args=())
+def invariant_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a (B, M, K) @ b (B, K, N): an element's result depends on its row of a and its column of b alone, not on B,
+    M, N or zeros appended to K (an attention's probabilities over a right-padded key length: _chunked_bmm's K
+    chunks; on CUDA in fp16 / bf16 each matrix through the Triton matmul, which walks K in 16-deep steps in order)."""
+    return _bmm(a, b)
+
+
+@invariant_bmm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+
+@torch.library.custom_op("tpweave::invariant_baddbmm", mutates_args=())
+def invariant_baddbmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * bias + alpha * (a @ b) (bias broadcast to (B, M, N); beta 0: not read), the product as invariant_bmm's
+    (the rest elementwise after it, in fp32)."""
+    return _bmm(a, b, bias, beta, alpha)
+
+
+@invariant_baddbmm.register_fake
+def _(bias, a, b, beta=1.0, alpha=1.0):
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
 
 
 def _attend(q_nHD: Tensor, pos_n: Tensor, k_LKD: Tensor, v_LKD: Tensor, scale: float) -> Tensor:
