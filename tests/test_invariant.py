@@ -37,6 +37,35 @@ def test_invariant_matmul_gives_a_row_the_same_bits_at_every_m_and_place():
         assert torch.allclose(alone.float(), (row @ w).float(), rtol=1e-2, atol=1e-1)
 
 
+def test_tp_level_reports_a_sum_over_ranks_of_a_batched_product():
+    """invariant="tp": a batched matmul keeps its batch form (no tree product), so a sum over ranks of its product
+    (e.g. experts' down projections as a bmm, summed across ranks) is not the TP=1 product's: it is reported, while
+    a plain matmul and its all-reduce become one tree op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpweave.compiler.invariant import make_batch_invariant
+    from tpweave.compiler.report import GraphReport
+
+    tpw = torch.ops.tpweave
+
+    def batched(a, b):
+        return tpw.all_reduce(torch.bmm(a, b).view(-1, 8), "0", 2, "ordered_tp")
+
+    def plain(a, b):
+        return tpw.all_reduce(torch.mm(a[0], b[0]), "0", 2, "ordered_tp")
+
+    left = {}
+    for fn in (batched, plain):
+        gm = make_fx(fn, tracing_mode="fake")(torch.randn(2, 3, 4), torch.randn(2, 4, 8))
+        report = GraphReport(variant="plain")
+        make_batch_invariant(gm.graph, report=report, strict=False, level="tp")
+        left[fn.__name__] = report.invariant
+    key = "tpweave.all_reduce.default of a matmul's product (tp level: not summed in the product's tree)"
+    assert left["batched"]["not_invariant"].get(key) == 1, left
+    assert left["batched"]["swapped"] == {"aten.bmm.default": 1}, left
+    assert left["plain"] == {"swapped": {"mm + tpweave.all_reduce.default": 1}, "not_invariant": {}}, left
+
+
 def test_tp_level_products_of_any_width_compile():
     """invariant="tp" on N not a multiple of the tree product's 64-column tiles (48, 100): the ops return contiguous
     tensors as their fakes say (Inductor checks the strides of every op it calls), and the numbers are the product's.
