@@ -73,10 +73,10 @@ def invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha
     return _scaled_add(_mm(a, b), bias, beta, alpha)
 
 
-def _scaled_add(product: Tensor, bias: Tensor, beta: float, alpha: float) -> Tensor:
-    """addmm's epilogue: beta * bias + alpha * product."""
+def _scaled_add(product: Tensor, bias: Tensor | None, beta: float, alpha: float) -> Tensor:
+    """addmm's epilogue: beta * bias + alpha * product (bias None: alpha * product)."""
     out = product * alpha if alpha != 1.0 else product
-    return out + (bias if beta == 1.0 else beta * bias)
+    return out if bias is None else out + (bias if beta == 1.0 else beta * bias)
 
 
 @invariant_addmm.register_fake
@@ -143,11 +143,7 @@ def _bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, al
         for i in range(nb):
             out[i] = invariant_kernels.matmul(a[i], b[i], None if bias is None else bias[i], beta, alpha)
         return out
-    out = _chunked_bmm(a, b)
-    if alpha != 1.0:
-        out = out * alpha
-    if bias is not None:
-        out = out + (bias.float() if beta == 1.0 else beta * bias.float())
+    out = _scaled_add(_chunked_bmm(a, b), None if bias is None else bias.float(), beta, alpha)
     return out.to(a.dtype).contiguous()
 
 
