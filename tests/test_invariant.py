@@ -448,7 +448,8 @@ def test_a_mixture_of_experts_grouped_matmul_is_made_invariant():
 def test_invariant_batched_matmul_gives_an_element_the_same_bits_at_every_shape_and_padded_k(device):
     """tpweave::invariant_bmm / invariant_baddbmm: an element's result depends on its row of a and its column of b
     alone: not on the batch, the rows, the columns, nor zeros appended to K (an attention's probabilities over a
-    right-padded key length); the numbers are torch's. On a GPU, bf16 runs the Triton matmul per matrix."""
+    right-padded key length); the numbers are torch's. On a GPU, bf16 runs the Triton matmul, all matrices in one
+    launch."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(12, 100, 150, generator=g).to(device, dtype)

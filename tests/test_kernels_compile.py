@@ -318,6 +318,7 @@ def test_invariant_matmul_kernel_compiles(has_bias):
     shapes = itertools.product((1, 16, 17, 32, 33, 64, 65, 128, 200, 256, 300, 512, 513, 2048, 8192),
                                (1024, 4096, 6144, 28672), (1024, 4096, 14336))  # fmt: skip
     assert {ik.tiling_for(m, n, k) for m, n, k in shapes} <= {*ik.TILINGS, *ik.TMA_TILINGS}
+    assert {ik.bmm_tiling_for(m) for m, _, _ in shapes} <= set(ik.TILINGS)  # the batched product's: pointer tiles
 
 
 def test_invariant_matmul_tma_kernel_compiles():

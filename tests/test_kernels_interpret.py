@@ -152,6 +152,21 @@ def _check_invariant_kernels() -> None:
         parts = [invariant_kernels.tree_matmul(a[:, r * kc : (r + 1) * kc], w[r * kc : (r + 1) * kc], 8 // world)
                  for r in range(world)]  # fmt: skip
         assert torch.equal(tree_sum(parts), whole), world
+    # the batched product in one launch: each matrix the pointer kernel's bits for it alone, with strided inputs (a
+    # transposed B, every other matrix of A), a broadcast bias, and K padded with zeros (eager attention's
+    # probabilities over a batch's padded key length)
+    a = torch.randn(6, 40, 70, generator=gen).half()[::2]
+    b = torch.randn(3, 24, 70, generator=gen).half().transpose(1, 2)
+    bias = torch.randn(1, 40, 24, generator=gen).half()
+    got = invariant_kernels.bmm(a, b, bias, beta=0.5, alpha=2.0)
+    assert got.shape == (3, 40, 24)
+    one = invariant_kernels.SMALL_M_TILING  # bmm_tiling_for(40)'s
+    for i in range(3):
+        assert torch.equal(got[i], invariant_kernels.matmul(a[i], b[i], bias[0], 0.5, 2.0, tiling=one)), i
+    padded_a = torch.cat([a, torch.zeros(3, 40, 30).half()], 2)
+    padded_b = torch.cat([b, torch.randn(3, 30, 24, generator=gen).half()], 1)
+    for t in (invariant_kernels.bmm_tiling_for(40), invariant_kernels.TINY_M_TILING):
+        assert torch.equal(invariant_kernels.bmm(padded_a, padded_b, tiling=t), invariant_kernels.bmm(a, b)), t
     # paged: decodes, a chunk after cached context, a fresh sequence longer than one tile, an empty row
     for heads, kv_heads in [(8, 2), (12, 4), (4, 4)]:  # groups of 4, 3 (padded to 4), 1 (64 tokens a tile)
         q_lens, ctx_lens = [1, 20, 0, 90, 1], [70, 150, 3, 90, 1]

@@ -138,11 +138,8 @@ def _bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, al
         bias = torch.broadcast_to(bias, (nb, m, n))
     else:
         bias = None
-    if nb and invariant_kernels.mm_supported(a[0], b[0]):  # per matrix: the Triton matmul walks K in order
-        out = a.new_empty(nb, m, n)
-        for i in range(nb):
-            out[i] = invariant_kernels.matmul(a[i], b[i], None if bias is None else bias[i], beta, alpha)
-        return out
+    if nb and invariant_kernels.mm_supported(a[0], b[0]):  # the Triton matmul's K walk, every matrix in one launch
+        return invariant_kernels.bmm(a, b, bias, beta, alpha)
     out = _scaled_add(_chunked_bmm(a, b), None if bias is None else bias.float(), beta, alpha)
     return out.to(a.dtype).contiguous()
 
@@ -151,7 +148,8 @@ def _bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, al
 def invariant_bmm(a: Tensor, b: Tensor) -> Tensor:
     """a (B, M, K) @ b (B, K, N): an element's result depends on its row of a and its column of b alone, not on B,
     M, N or zeros appended to K (an attention's probabilities over a right-padded key length: _chunked_bmm's K
-    chunks; on CUDA in fp16 / bf16 each matrix through the Triton matmul, which walks K in 16-deep steps in order)."""
+    chunks; on CUDA in fp16 / bf16 the Triton matmul over every matrix in one launch, K walked in 16-deep steps in
+    order)."""
     return _bmm(a, b)
 
 

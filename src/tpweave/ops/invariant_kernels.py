@@ -245,11 +245,16 @@ if triton is not None:
 
     @triton.jit
     def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha,
-                                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                 PDL: tl.constexpr):  # fmt: skip
+                                 stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha, stride_ab, stride_bb,
+                                 stride_cb, stride_bias_b, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         pdl.wait_and_release(PDL)
+        batch = tl.program_id(1).to(tl.int64)  # a batched product's matrix (bmm: grid axis 1; one matrix: 0)
+        a_ptr += batch * stride_ab
+        b_ptr += batch * stride_bb
+        c_ptr += batch * stride_cb
+        bias_ptr += batch * stride_bias_b
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
@@ -635,11 +640,47 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
             num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
         )  # fmt: skip
         return out
-    _invariant_matmul_kernel[(tiles,)](
+    _invariant_matmul_kernel[(tiles, 1)](
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
-        HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+        0, 0, 0, 0, HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
+    )  # fmt: skip
+    return out
+
+
+def bmm_tiling_for(m: int) -> MatmulTiling:
+    """The batched product's launch shape (the pointer kernel; any gives the same bits): 16-row tiles to 16 rows,
+    64 to 64, then 128 x 128."""
+    if m <= 16:
+        return TINY_M_TILING
+    return SMALL_M_TILING if m <= 64 else LARGE_M_TILING
+
+
+def bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
+        tiling: MatmulTiling | None = None) -> Tensor:  # fmt: skip
+    """a (B, M, K) @ b (B, K, N) (any strides), or alpha * (a @ b) + beta * bias (broadcast to (B, M, N)), in a's
+    dtype, in one launch: each matrix's tiles and K walk are `matmul`'s, so matrix i's result is matmul(a[i], b[i])'s
+    bits under the pointer kernel (any tiling)."""
+    nb, m, k = a.shape
+    n = b.shape[2]
+    out = a.new_empty(nb, m, n)
+    if nb == 0 or m == 0 or n == 0:
+        return out
+    if bias is not None:
+        bias = torch.broadcast_to(bias, (nb, m, n))
+    t = tiling or bmm_tiling_for(m)
+    if t.tma:
+        raise ValueError(f"bmm: {t} is a TMA launch shape; the batched product runs the pointer kernel")
+    tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    on = pdl.enabled(a.device)
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0)
+    _invariant_matmul_kernel[(tiles, nb)](
+        a, b, out, bias if bias is not None else out, m, n, k, a.stride(1), a.stride(2), b.stride(1), b.stride(2),
+        out.stride(1), out.stride(2), *bias_strides[1:], float(beta), float(alpha), a.stride(0), b.stride(0),
+        out.stride(0), bias_strides[0], HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps,
+        num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
 
