@@ -28,7 +28,7 @@ def _close(a, b, dtype):
     return (a - b).abs().max().item() <= TOL[dtype] * max(1.0, b.abs().max().item())
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+@pytest.mark.parametrize("tp", [2, 3, 4])
 def test_llama_sp_async_tp_equals_eager_and_single_rank(tp, reference_logits):
     dtypes = ("float32", "bfloat16") if tp == 2 else ("float32",)  # bf16's tolerances at one TP (CI's 2 cores)
     results = tpweave.launch(workers.llama_compiled_outputs, "tiny", TOKEN_COUNTS, dtypes, nprocs=tp)
@@ -683,8 +683,8 @@ def test_token_split_rules_on_a_traced_batch_seq_graph():
 # other norms, raw-parameter matmuls, an op the pass does not know, and flattened MoE tokens at two shapes
 # every shape pattern with the first two models; (3, 7) (subsets of one and of two sequences) with the others
 TOKEN_SPLIT_FOREIGN = [
-    ({"norm": "hand"}, FOREIGN_SHAPES),
-    ({"sdpa": True}, [*FOREIGN_SHAPES[:-1], (4, 1)]),
+    ({"norm": "hand"}, [(2, 3), (3, 7), (1, 5), (1, 1)]),  # B = 2, 3, a batch of one sequence, fewer tokens than 4
+    ({"sdpa": True}, [(3, 7), (2, 64), (4, 1)]),  # seq 1 after seq > 1
     ({"norm": "fused"}, FOREIGN_SHAPES[1:2]),
     ({"norm": "layernorm"}, FOREIGN_SHAPES[1:2]),
     ({"model_name": "MatmulMLPModel"}, FOREIGN_SHAPES[1:2]),

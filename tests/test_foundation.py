@@ -1,5 +1,6 @@
 """Foundation: runtime, token collectives, reference model, weights (CPU, gloo, several ranks)."""
 
+import importlib
 import os
 import signal
 import subprocess
@@ -159,7 +160,7 @@ def test_rank_killed_by_a_signal_names_it():
 
 def test_rank_that_hangs_times_out():
     with pytest.raises(TimeoutError, match=r"ranks \[1\] had not finished"):
-        tpweave.launch(workers.hang_on_rank, 1, nprocs=2, timeout_s=20)
+        tpweave.launch(workers.hang_on_rank, 1, nprocs=2, timeout_s=10)
 
 
 def _running(pid: int) -> bool:
@@ -168,6 +169,26 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_ranks_start_from_the_fork_server_with_the_launchers_environment(monkeypatch):
+    """Ranks fork from a server that imported tpweave once (their parent is the server, not the launcher) and see the
+    launcher's environment as it is at launch: pytest's per-test variable as it is now, and a variable set since the
+    server started (the server started again, with it)."""
+    from multiprocessing import forkserver
+
+    launching = importlib.import_module("tpweave.runtime.launch")  # the module (the package exports its function)
+    if launching._FORK_SERVER.context() is None:
+        pytest.skip("no fork server of tpweave's in this process")
+    server = forkserver._forkserver._forkserver_pid
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a value the fork server did not start with")
+    ranks = tpweave.launch(workers.env_and_parent, "PYTEST_CURRENT_TEST", nprocs=2)
+    assert ranks == [("a value the fork server did not start with", server)] * 2
+    assert forkserver._forkserver._forkserver_pid == server  # pytest's variable restarts nothing
+    monkeypatch.setenv("TPWEAVE_SET_AFTER_THE_SERVER", "1")
+    ranks = tpweave.launch(workers.env_and_parent, "TPWEAVE_SET_AFTER_THE_SERVER", nprocs=2)
+    restarted = forkserver._forkserver._forkserver_pid
+    assert restarted not in (server, os.getpid()) and ranks == [("1", restarted)] * 2
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")

@@ -45,15 +45,24 @@ class Server:
         return "".join(self.lines)
 
     def ranks(self) -> list[int]:
-        """Pids of the rank processes (the launching process's children but multiprocessing's resource tracker)."""
-        pids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        return [p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        """Pids of the rank processes: the launching process's children but multiprocessing's resource tracker, and
+        for its fork server the server's children (tpweave.launch forks ranks from it)."""
+        ranks = []
+        for pid in _children(self.proc.pid):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"multiprocessing.forkserver" in cmdline:
+                ranks += _children(pid)
+            elif b"resource_tracker" not in cmdline:
+                ranks.append(pid)
+        return ranks
 
     def stop(self, timeout: float = 120) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
 
 @contextmanager

@@ -107,6 +107,11 @@ def hang_on_rank(ctx, bad_rank):
     return ctx.rank
 
 
+def env_and_parent(ctx, name):
+    """A variable of this rank's environment and its parent process (the launcher if spawned, else the fork server)."""
+    return os.environ.get(name), os.getppid()
+
+
 def write_pid_and_sleep(ctx, directory):
     path = os.path.join(directory, f"rank{ctx.rank}")
     with open(path + ".tmp", "w") as f:
