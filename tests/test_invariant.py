@@ -411,7 +411,8 @@ class _Experts(torch.nn.Module):
     def forward(self, x):
         weights, experts = torch.topk(torch.softmax(x @ self.router, dim=-1), 2)
         order = torch.sort(experts.reshape(-1), stable=True).indices
-        offs = torch.cumsum(torch.bincount(experts.reshape(-1), minlength=4), 0).to(torch.int32)
+        counts = (experts.reshape(-1, 1) == torch.arange(4, device=x.device)).sum(0)  # no host sync, unlike bincount
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         y = self.grouped_mm(x[order // 2], self.w, offs)
         out = torch.empty_like(y)
         out[order] = y * weights.reshape(-1)[order, None]
@@ -442,6 +443,50 @@ def test_a_mixture_of_experts_grouped_matmul_is_made_invariant():
                 assert torch.equal(compiled(x[:m])[:1], alone), (name, level, m)
             swapped = tpweave.report(compiled).graphs[-1].invariant["swapped"]
             assert swapped.get(name) == 1, swapped
+
+
+@pytest.mark.gpu(gpus=1)
+def test_a_mixture_of_experts_grouped_matmul_is_one_launch_under_cuda_graphs_on_the_gpu(monkeypatch):
+    """On the GPU (bf16) tpweave::invariant_grouped_mm is one launch with no host read: each expert's rows the bits of
+    that expert's product alone (invariant_mm's; tp_invariant_mm's at "tp") whatever the routing. A mixture of experts
+    compiled with Inductor's CUDA graph trees at both levels captures it: over replays, a token's output alone is the
+    same bits as among others, the numbers the model's."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    tpw = torch.ops.tpweave
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(8, 1024, 768, device="cuda", generator=g, dtype=torch.bfloat16) / 32
+    x = torch.randn(600, 1024, device="cuda", generator=g, dtype=torch.bfloat16)
+    for s in (1, 5, 64, 600):
+        counts = torch.bincount(torch.randint(0, 7, (s,), device="cuda", generator=g), minlength=8)  # expert 7 empty
+        offs = counts.cumsum(0).to(torch.int32)
+        bounds = [0, *offs.tolist()]
+        for tree, alone in ((False, tpw.invariant_mm), (True, tpw.tp_invariant_mm)):
+            got = tpw.invariant_grouped_mm(x[:s], w, offs, tree)
+            for e in range(8):
+                lo, hi = bounds[e], bounds[e + 1]
+                assert torch.equal(got[lo:hi], alone(x[lo:hi], w[e])), (s, tree, e)
+    recorded = []
+    init = cudagraph_trees.CUDAGraphNode.__init__
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "__init__", lambda *a, **k: (recorded.append(1), init(*a, **k)))
+    model = _Experts(lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)).to("cuda", torch.bfloat16)
+    x = x[:300, :512]
+    counters.clear()
+    for level in ("batch", "tp"):
+        compiled = compiler.compile(model, options=CompileOptions(invariant=level, strict=True, cudagraphs=True))
+        before = len(recorded)
+        for _ in range(3):  # warm-up, recording, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            alone = compiled(x[:1]).clone()
+            among = {m: compiled(x[:m])[:1].clone() for m in (7, 300)}
+        assert len(recorded) - before >= 3, (level, len(recorded) - before)  # a graph for each of the three shapes
+        torch.testing.assert_close(alone, model(x[:1]), rtol=2e-2, atol=2e-2)
+        for m, first in among.items():
+            assert torch.equal(first, alone), (level, m)
+        swapped = tpweave.report(compiled).graphs[-1].invariant["swapped"]
+        assert swapped.get("aten._grouped_mm.default") == 1, swapped
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(gpus=1))])

@@ -167,6 +167,26 @@ def _check_invariant_kernels() -> None:
     padded_b = torch.cat([b, torch.randn(3, 30, 24, generator=gen).half()], 1)
     for t in (invariant_kernels.bmm_tiling_for(40), invariant_kernels.TINY_M_TILING):
         assert torch.equal(invariant_kernels.bmm(padded_a, padded_b, tiling=t), invariant_kernels.bmm(a, b)), t
+    # the grouped product in one launch (a mixture of experts): each group's rows the bits of the matmul of those rows
+    # alone (the interpreter's dot sums a K step as NumPy does: one tiling on both sides), and of the tree product's;
+    # empty groups, rows past the last group zero; more groups than a program reads at a time (SEQ_BLOCK)
+    for sizes in ([0, 20, 1, 40, 0], [1 + i % 2 for i in range(130)]):
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        a = torch.randn(int(offs[-1]) + 14, 96, generator=gen).half()
+        b = torch.randn(len(sizes), 40, 96, generator=gen).half().transpose(1, 2)
+        few = len(sizes) < invariant_kernels.SEQ_BLOCK
+        one = invariant_kernels.TINY_M_TILING if few else invariant_kernels.SMALL_M_TILING
+        got = invariant_kernels.grouped_matmul(a, b, offs, tiling=one)
+        tree = invariant_kernels.grouped_matmul(a, b, offs, chunks=8) if few else None
+        assert not got[int(offs[-1]) :].any()
+        for g, (lo, hi) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist())):
+            if hi > lo and (few or g in (0, 127, 128, 129)):
+                assert torch.equal(got[lo:hi], invariant_kernels.matmul(a[lo:hi], b[g], tiling=one)), g
+                torch.testing.assert_close(got[lo:hi].float(), a[lo:hi].float() @ b[g].float(), atol=2e-2, rtol=2e-3)
+            if hi > lo and few:
+                assert torch.equal(tree[lo:hi], invariant_kernels.tree_matmul(a[lo:hi], b[g], 8).half()), g
+        if few:
+            assert not tree[int(offs[-1]) :].any()
     # paged: decodes, a chunk after cached context, a fresh sequence longer than one tile, an empty row
     for heads, kv_heads in [(8, 2), (12, 4), (4, 4)]:  # groups of 4, 3 (padded to 4), 1 (64 tokens a tile)
         q_lens, ctx_lens = [1, 20, 0, 90, 1], [70, 150, 3, 90, 1]

@@ -89,7 +89,10 @@ def invariant_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, tree: bool) -> Tens
     """A grouped matmul (a mixture of experts' experts): a (S, K), its rows sorted by group; b (G, K, N); offs (G,)
     each group's end row. Group g's rows @ b[g], each as invariant_mm's product (tree=True: tp_invariant_mm's), so a
     row's result does not depend on how many rows its group or the call holds; rows past the last group are zeros.
-    (`tree` has no default: Inductor drops an argument passed at its default and then miscounts them.)"""
+    (`tree` has no default: Inductor drops an argument passed at its default and then miscounts them.) On CUDA one
+    launch without a host sync (invariant_kernels.grouped_matmul), so CUDA graphs capture it."""
+    if invariant_kernels.grouped_mm_supported(a, b, offs) and (not tree or a.shape[1] % K_CHUNKS == 0):
+        return invariant_kernels.grouped_matmul(a, b, offs, chunks=K_CHUNKS if tree else 0)
     out = a.new_zeros(a.shape[0], b.shape[2])
     start = 0
     for g, end in enumerate(offs.tolist()):  # one host read, as torch's own fallbacks do

@@ -195,6 +195,21 @@ def mm_supported(a: Tensor, b: Tensor) -> bool:
     return triton is not None and a.is_cuda and a.dtype in _DTYPES and b.dtype == a.dtype and a.dim() == b.dim() == 2
 
 
+def grouped_mm_supported(a: Tensor, b: Tensor, offs: Tensor) -> bool:
+    """Whether grouped_matmul takes a (S, K), b (G, K, N) and offs (G,): CUDA, fp16/bf16 of one dtype, integer offs."""
+    return (
+        triton is not None
+        and a.is_cuda
+        and offs.is_cuda
+        and a.dtype in _DTYPES
+        and b.dtype == a.dtype
+        and a.dim() == 2
+        and b.dim() == 3
+        and offs.dim() == 1
+        and not offs.is_floating_point()
+    )
+
+
 def attention_supported(q_MHD: Tensor, k: Tensor) -> bool:
     """Whether the Triton attention takes these inputs: CUDA, fp16/bf16 q and K/V of its dtype, a head dim that is a
     power of 2 >= 16, at most ATTENTION_ROWS q heads per kv head."""
@@ -244,6 +259,23 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
+    def _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """Rows rm (those < M) of A @ columns rn (< N) of B: K walked in BLOCK_K steps, in order, into fp32."""
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        return acc
+
+    @triton.jit
     def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                  stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha, stride_ab, stride_bb,
                                  stride_cb, stride_bias_b, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
@@ -256,17 +288,8 @@ if triton is not None:
         c_ptr += batch * stride_cb
         bias_ptr += batch * stride_bias_b
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        rk = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = rk < K - k0
-            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        acc = _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                            BLOCK_K)  # fmt: skip
         _matmul_epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
                          alpha, HAS_BIAS, SCALED)  # fmt: skip
 
@@ -311,11 +334,11 @@ if triton is not None:
                       B_NK)  # fmt: skip
 
     @triton.jit
-    def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                            stride_cn, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        pdl.wait_and_release(PDL)
-        rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    def _tree_product_tile(a_ptr, b_ptr, rm, rn, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn,
+                           CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):  # fmt: skip
+        """Rows rm (< M) of A @ columns rn (< N) of B as the tree product (tree_matmul): each of CHUNKS chunks of KC
+        walked in BLOCK_K steps into an fp32 tile of its own, the chunks' tiles summed pairwise, neighbours first."""
         rk = tl.arange(0, BLOCK_K)
         # the sums of the last 1, 2 and 4 leaves not yet paired (collectives.tree_sum's tree, built left to right)
         s0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -351,8 +374,44 @@ if triton is not None:
             part = s1
         elif CHUNKS == 4:
             part = s2
+        return part
+
+    @triton.jit
+    def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                            stride_cn, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        pdl.wait_and_release(PDL)
+        rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        part = _tree_product_tile(a_ptr, b_ptr, rm, rn, M, N, KC, stride_am, stride_ak, stride_bk, stride_bn, CHUNKS,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, cu_ptr, num_groups, slots, N, K, stride_am, stride_ak, stride_bg,
+                               stride_bk, stride_bn, stride_cm, stride_cn, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                               SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """grouped_matmul: group g's rows cu[g]..cu[g+1]-1 of A @ B[g], in tiles of BLOCK_M rows from the group's first
+        row. A program owns row tile `slot` of an upper bound of them and finds its group as attention finds a tile's
+        sequence (_seq_of_tile); past the last tile it does nothing. CHUNKS 0: the plain K walk; else the tree's."""
+        pdl.wait_and_release(PDL)
+        m0, n0 = _grouped_tile(tl.program_id(0), slots * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        slot = m0 // BLOCK_M
+        g, first = _seq_of_tile(slot, cu_ptr, num_groups, BLOCK_M, SEQ_BLOCK)
+        if g < num_groups:
+            end = tl.load(cu_ptr + g + 1).to(tl.int32)
+            rm = tl.load(cu_ptr + g).to(tl.int32) + (slot - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = n0 + tl.arange(0, BLOCK_N)
+            b_ptr += g.to(tl.int64) * stride_bg
+            if CHUNKS == 0:
+                acc = _product_tile(a_ptr, b_ptr, rm, rn, end, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                acc = _tree_product_tile(a_ptr, b_ptr, rm, rn, end, N, K // CHUNKS, stride_am, stride_ak, stride_bk,
+                                         stride_bn, CHUNKS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
 
     @triton.jit
     def _seq_of_tile(tile, cu_ptr, num_seqs, TOKENS: tl.constexpr, SEQ_BLOCK: tl.constexpr):
@@ -681,6 +740,34 @@ def bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alp
         out.stride(0), bias_strides[0], HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps,
         num_stages=t.num_stages, launch_pdl=on,
+    )  # fmt: skip
+    return out
+
+
+def grouped_matmul(a: Tensor, b: Tensor, offs: Tensor, *, chunks: int = 0,
+                   tiling: MatmulTiling | None = None) -> Tensor:  # fmt: skip
+    """A grouped product (a mixture of experts' experts) in one launch, no host sync: a (S, K) with its rows sorted by
+    group, b (G, K, N) (any strides), offs (G,) each group's end row; group g's rows @ b[g] in a's dtype, rows past
+    the last group zero. chunks 0: each row the bits of `matmul`'s product of its group's rows alone (any tiling);
+    1, 2, 4 or 8: of `tree_matmul`'s over that many chunks, rounded to a's dtype."""
+    s, k = a.shape
+    groups, _, n = b.shape
+    out = a.new_zeros(s, n)
+    if s == 0 or n == 0 or groups == 0:
+        return out
+    if chunks and (chunks not in TREE_CHUNKS or k % chunks):
+        raise ValueError(f"grouped tree matmul: K = {k} in {chunks} chunks (1, 2, 4 or 8, dividing K)")
+    t = TREE_TILING if chunks else tiling or bmm_tiling_for(triton.cdiv(s, groups))
+    if t.tma:
+        raise ValueError(f"grouped_matmul: {t} is a TMA launch shape; the grouped product runs the pointer kernel")
+    # a group of r rows takes cdiv(r, BLOCK_M) row tiles: at most cdiv(S, BLOCK_M) + G of them, and at most S
+    slots = min(triton.cdiv(s, t.block_m) + groups, s)
+    cu = torch.nn.functional.pad(offs, (1, 0))  # (G + 1,): group g's rows cu[g]..cu[g + 1] - 1
+    on = pdl.enabled(a.device)
+    _grouped_matmul_kernel[(slots * triton.cdiv(n, t.block_n),)](
+        a, b, out, cu, groups, slots, n, k, a.stride(0), a.stride(1), *b.stride(), out.stride(0), out.stride(1),
+        CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        SEQ_BLOCK=SEQ_BLOCK, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
 
