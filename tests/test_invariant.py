@@ -469,7 +469,12 @@ def test_a_mixture_of_experts_grouped_matmul_is_one_launch_under_cuda_graphs_on_
                 assert torch.equal(got[lo:hi], alone(x[lo:hi], w[e])), (s, tree, e)
     recorded = []
     init = cudagraph_trees.CUDAGraphNode.__init__
-    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "__init__", lambda *a, **k: (recorded.append(1), init(*a, **k)))
+
+    def counting_init(*args, **kwargs):
+        recorded.append(1)
+        init(*args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "__init__", counting_init)
     model = _Experts(lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)).to("cuda", torch.bfloat16)
     x = x[:300, :512]
     counters.clear()
