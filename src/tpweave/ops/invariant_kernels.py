@@ -16,6 +16,10 @@ equal chunks into an fp32 tile of its own, the chunks' tiles summed pairwise in 
 one launch shape at every shape: a rank's product over its chunks of a row-parallel K is the whole product's
 subtree over them.
 
+A grouped product (`grouped_matmul`: a mixture of experts' experts, rows sorted by expert) runs the same K walk, or the
+tree's, over each group's row tiles counted from the group's first row, in one launch with no host read: a program
+finds its group from the offsets as attention finds a tile's sequence (below), so CUDA graphs capture it.
+
 Attention, over a paged pool or a packed batch: a program owns one kv head and a tile of TOKENS consecutive new
 tokens of one sequence, their GROUP q heads as rows ((TOKENS x GROUP_PAD) = ROWS rows: 64 for prefills, 16 for decodes,
 `launch_for`). It walks the keys in chunks of KV_CHUNK absolute positions (0..63, 64..127, ...) up to the tile's last
