@@ -189,6 +189,39 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
 
 
+@pytest.mark.gpu(gpus=1)
+def test_engine_request_alone_equals_among_64_and_256_others_on_the_gpu():
+    """The TP=1 engine in bf16 with its CUDA graphs: five requests of 1 to 300 tokens, each alone, then among 64
+    other requests of other lengths in steps of at most 256 tokens (the longest prompt chunked; mixed steps), then
+    among 256 in steps of up to 8192 tokens with KV blocks for about half of what they would use (decode steps of
+    256 sequences: the matmul's larger launch shapes; preemption): each one's greedy tokens and the logits of every
+    token sampled (so any logprobs) bitwise the same."""
+    import workers
+
+    rng = random.Random(3)
+    probes = [[rng.randrange(1536) for _ in range(n)] for n in (1, 9, 40, 130, 300)]
+    others = [[rng.randrange(1536) for _ in range(rng.randrange(1, 40))] for _ in range(256)]
+    config = dict(dtype=torch.bfloat16, block_size=16, max_num_seqs=256, max_num_batched_tokens=256,
+                  max_model_len=320, num_blocks=2000, async_scheduling=False, invariant="batch",
+                  model_overrides=WIDE)  # fmt: skip
+    groups = [[p] for p in probes] + [probes + others[:64]]
+    results, seen, stats, _ = workers.engine_logits(TPContext.single("cuda"), groups, config, by_group=True)
+    crowd = {**config, "max_num_batched_tokens": 8192, "num_blocks": 500}
+    (crowded,), (crowded_seen,), crowded_stats, _ = workers.engine_logits(TPContext.single("cuda"), [probes + others],
+                                                                          crowd, by_group=True)  # fmt: skip
+    alone = {k: v for group in seen[: len(probes)] for k, v in group.items()}
+    assert len(alone) == 6 * len(probes)
+    for name, outs, among in (("64", results[-1], seen[-1]), ("256", crowded, crowded_seen)):
+        for i, out in enumerate(outs[: len(probes)]):
+            assert out["token_ids"] == results[i][0]["token_ids"], (name, i)
+        for key, logits in alone.items():
+            assert torch.equal(among[key], logits), (name, len(key))
+    assert stats["most_seqs"] >= 64 and crowded_stats["most_seqs"] == 256, (stats, crowded_stats)
+    assert sum(r["num_preemptions"] for r in crowded) > 0
+    for st in (stats, crowded_stats):
+        assert st["decode_graph"] > 0 and st["whole_graph"] > 0 and st["eager"] == 0, st
+
+
 def test_engine_at_tp_2_gives_each_request_the_logits_it_has_alone_at_tp_1():
     """invariant="tp", the engine at TP 2 (gloo) against TP 1: the requests together, in steps of at most 16 tokens
     (chunked prefill, mixed steps, decodes; the plain graph below 4 tokens, token split from 4, SP and async TP at

@@ -1497,10 +1497,11 @@ def ordered_strategy_outputs(ctx, counts):
     return equal, orders
 
 
-def engine_logits(ctx, prompt_groups, config, *, pad_to=None, params=None):
+def engine_logits(ctx, prompt_groups, config, *, pad_to=None, params=None, by_group=False):
     """Generation of each group of prompts in turn by one engine of the tiny Llama (greedy unless `params`): each
-    group's results, the logits row of every sampled token keyed by the tokens it was computed from, how the steps
-    ran (runner.step_stats) and the calls each compiled graph variant served."""
+    group's results, the logits row of every sampled token keyed by the tokens it was computed from (by_group: a dict
+    for each group), how the steps ran (runner.step_stats, with the most sequences a step held) and the calls each
+    compiled graph variant served."""
     import torch
 
     from tpweave.compiler.piecewise import PiecewiseGraphs
@@ -1512,10 +1513,14 @@ def engine_logits(ctx, prompt_groups, config, *, pad_to=None, params=None):
     if pad_to is not None and runner.pieces is None:  # the padding the piecewise CUDA graphs bring, on a CPU
         runner.pieces, runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
     seen: dict[tuple, torch.Tensor] = {}
+    groups_seen: list[dict[tuple, torch.Tensor]] = []
+    most_seqs = 0
     forward, launch, decode_with_graph, whole_step = (runner.forward, runner.launch, runner._decode_with_graph,
                                                       runner.whole_step)  # fmt: skip
 
     def recording_launch(chunks):
+        nonlocal most_seqs
+        most_seqs = max(most_seqs, len(chunks))
         step = {}
 
         def recording_forward(*args):
@@ -1551,9 +1556,14 @@ def engine_logits(ctx, prompt_groups, config, *, pad_to=None, params=None):
         return out
 
     runner.launch = recording_launch
-    results = [engine.generate(prompts, params or SamplingParams(max_tokens=6)) for prompts in prompt_groups]
+    results = []
+    for prompts in prompt_groups:
+        results.append(engine.generate(prompts, params or SamplingParams(max_tokens=6)))
+        groups_seen.append(seen)
+        seen = {} if by_group else seen
     calls = dict(getattr(forward, "calls", {}))  # the steps each compiled graph variant served
-    return results, seen, dict(runner.step_stats), calls
+    stats = dict(runner.step_stats, most_seqs=most_seqs)
+    return results, groups_seen if by_group else seen, stats, calls
 
 
 @torch.no_grad()
