@@ -16,22 +16,50 @@ from tpweave.runtime.context import TPContext  # noqa: E402
 WIDE = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64)
 
 
+def kernels() -> None:
+    """The kernels at the engine's shapes: rows of the matmul at the products' (N, K) across M, and a 300-token
+    sequence's attention packed (fresh), padded as the engine pads a step, and paged in chunks of 256 + 44."""
+    from test_gpu_attention import _paged_case
+    from tpweave.ops import invariant_kernels as ik
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, 1536, device="cuda", generator=g, dtype=torch.bfloat16)
+    for n, k in ((1024, 512), (512, 512), (3072, 512), (512, 1536), (1536, 512)):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        ref = ik.matmul(x[:300, :k], w.t())
+        same = {m: torch.equal(ik.matmul(x[:m, :k], w.t())[:300], ref) for m in (320, 512, 1024, 2048, 8192)}
+        tail = {m: torch.equal(ik.matmul(x[256 : 256 + m, :k], w.t())[:44], ref[256:]) for m in (44, 48, 64)}
+        print(f"matmul N={n} K={k}: rows 0-299 at M {same}; rows 256-299 at M {tail}", flush=True)
+    args = _paged_case([300], [300], heads=8, kv_heads=4, head_dim=64, num_blocks=64)
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
+    k_cache[slots], v_cache[slots] = k_new, v_new
+    packed = ik.attention(q, k_new, v_new, cu, scale=scale)
+    pad = lambda t: torch.cat([t, t[:20]])  # noqa: E731  (the padding rows: one more sequence of 20 tokens)
+    for seqs in (2, 9):
+        cu_pad = torch.tensor([0, 300] + [320] * (seqs - 1), dtype=torch.int32, device="cuda")
+        padded = ik.attention(pad(q), pad(k_new), pad(v_new), cu_pad, scale=scale)
+        print(f"attention packed, padded to 320 rows and {seqs} sequences: {torch.equal(padded[:300], packed)}")
+    paged = dict(block_tables=tables, block_size=bs, scale=scale)
+    spans = ((0, 256), (256, 300))
+    chunks = [ik.attention(q[a:b], k_cache, v_cache, cu.new_tensor([0, b - a]), context_lens=ctx.new_tensor([b]),
+                           **paged) for a, b in spans]  # fmt: skip
+    print(f"attention paged in chunks 256 + 44 == packed: {torch.equal(torch.cat(chunks), packed)}", flush=True)
+
+
 def main() -> None:
+    kernels()
     rng = random.Random(3)
     probes = [[rng.randrange(1536) for _ in range(n)] for n in (1, 9, 40, 130, 300)]
-    others = [[rng.randrange(1536) for _ in range(rng.randrange(1, 40))] for _ in range(256)]
     base = dict(dtype=torch.bfloat16, block_size=16, max_num_seqs=256, max_num_batched_tokens=256, max_model_len=320,
                 num_blocks=2000, async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
     one_step = {"max_num_batched_tokens": 8192}
     variants = {
         "chunked": ([probes[4]], {}),
         "one_step": ([probes[4]], one_step),
+        "one_step_unpadded": ([probes[4]], {**one_step, "prefill_graph_sizes": (1, 2, 4, 8, 16, 300, 8192)}),
+        "one_step_one_seq": ([probes[4]], {**one_step, "max_num_seqs": 1}),
         "one_step_piecewise": ([probes[4]], {**one_step, "whole_step_graphs": False}),
         "one_step_no_graphs": ([probes[4]], {**one_step, "cuda_graphs": False}),
-        "chunked_no_graphs": ([probes[4]], {"cuda_graphs": False}),
-        "crowd_256": (probes + others, {**one_step, "num_blocks": 500}),
-        "130_then_300_one_step": ([probes[3], probes[4]], one_step),
-        "chunked_again": ([probes[4]], {}),
     }
     ref = None
     for name, (prompts, over) in variants.items():
