@@ -33,17 +33,27 @@ def kernels() -> None:
     args = _paged_case([300], [300], heads=8, kv_heads=4, head_dim=64, num_blocks=64)
     q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, scale = args
     k_cache[slots], v_cache[slots] = k_new, v_new
-    packed = ik.attention(q, k_new, v_new, cu, scale=scale)
-    pad = lambda t: torch.cat([t, t[:20]])  # noqa: E731  (the padding rows: one more sequence of 20 tokens)
-    for seqs in (2, 9):
-        cu_pad = torch.tensor([0, 300] + [320] * (seqs - 1), dtype=torch.int32, device="cuda")
-        padded = ik.attention(pad(q), pad(k_new), pad(v_new), cu_pad, scale=scale)
-        print(f"attention packed, padded to 320 rows and {seqs} sequences: {torch.equal(padded[:300], packed)}")
-    paged = dict(block_tables=tables, block_size=bs, scale=scale)
+    paged = dict(block_size=bs, scale=scale)
+    whole = ik.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables, **paged)
+    print(f"attention packed == paged: {torch.equal(ik.attention(q, k_new, v_new, cu, scale=scale), whole)}")
     spans = ((0, 256), (256, 300))
     chunks = [ik.attention(q[a:b], k_cache, v_cache, cu.new_tensor([0, b - a]), context_lens=ctx.new_tensor([b]),
-                           **paged) for a, b in spans]  # fmt: skip
-    print(f"attention paged in chunks 256 + 44 == packed: {torch.equal(torch.cat(chunks), packed)}", flush=True)
+                           block_tables=tables, **paged) for a, b in spans]  # fmt: skip
+    print(f"attention paged in chunks 256 + 44 == whole: {torch.equal(torch.cat(chunks), whole)}", flush=True)
+    # as a step padded to 320 rows is: the padding rows one more sequence in the pad block, empty sequences up to the
+    # sequence bucket, block tables as wide as the widest bucket's
+    pad_block = next(b for b in range(64) if b not in tables[0].tolist())
+    q_pad = torch.cat([q, q[:20]])
+    for seqs, width in ((2, 19), (2, 512), (9, 19), (9, 512)):
+        t = torch.full((seqs, width), pad_block, dtype=torch.int32, device="cuda")
+        t[0, :19] = tables[0]
+        cu_pad = torch.tensor([0, 300] + [320] * (seqs - 1), dtype=torch.int32, device="cuda")
+        ctx_pad = torch.tensor([300, 20] + [0] * (seqs - 2), dtype=torch.int32, device="cuda")
+        for split in (None, False, True):
+            out = ik.attention(q_pad, k_cache, v_cache, cu_pad, context_lens=ctx_pad, block_tables=t, split=split,
+                               **paged)  # fmt: skip
+            print(f"attention padded: {seqs} sequences, tables {width} wide, split {split}: "
+                  f"{torch.equal(out[:300], whole)}", flush=True)  # fmt: skip
 
 
 def main() -> None:
