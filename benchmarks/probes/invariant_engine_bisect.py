@@ -1,7 +1,8 @@
 """Which engine path gives a request's logits other bits in invariant mode (GPU, tiny Llama of
 tests/test_invariant.py's WIDE shapes, bf16): one 300-token prompt alone, chunked (256 + 44) or in one step, with CUDA
 graphs or without, and first among 256 other requests; every sampled token's logits against the chunked run's.
-    python benchmarks/probes/invariant_engine_bisect.py > bisect.log"""
+    python benchmarks/probes/invariant_engine_bisect.py [kernels] [VARIANT...] > bisect.log  (the first variant, the
+    chunked run, always runs: the others are compared with it)"""
 
 import random
 import sys
@@ -57,29 +58,36 @@ def kernels() -> None:
 
 
 def main() -> None:
-    kernels()
+    wanted = sys.argv[1:]  # variant names (default: all), "kernels" for the kernel checks
+    if not wanted or "kernels" in wanted:
+        kernels()
     rng = random.Random(3)
     probes = [[rng.randrange(1536) for _ in range(n)] for n in (1, 9, 40, 130, 300)]
     base = dict(dtype=torch.bfloat16, block_size=16, max_num_seqs=256, max_num_batched_tokens=256, max_model_len=320,
                 num_blocks=2000, async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
     one_step = {"max_num_batched_tokens": 8192}
+    p = [probes[4]]
     variants = {
-        "chunked": ([probes[4]], {}),
-        "one_step": ([probes[4]], one_step),
-        "one_step_unpadded": ([probes[4]], {**one_step, "prefill_graph_sizes": (1, 2, 4, 8, 16, 300, 8192)}),
-        "one_step_one_seq": ([probes[4]], {**one_step, "max_num_seqs": 1}),
-        "one_step_piecewise": ([probes[4]], {**one_step, "whole_step_graphs": False}),
-        "one_step_no_graphs": ([probes[4]], {**one_step, "cuda_graphs": False}),
+        "chunked": ([p], {}),
+        "one_step": ([p], one_step),
+        "one_step_three_times": ([p, p, p], one_step),
+        "one_step_unpadded": ([p], {**one_step, "prefill_graph_sizes": (1, 2, 4, 8, 16, 300, 8192)}),
+        "one_step_one_seq": ([p], {**one_step, "max_num_seqs": 1}),
+        "one_step_piecewise": ([p], {**one_step, "whole_step_graphs": False}),
+        "one_step_no_graphs": ([p], {**one_step, "cuda_graphs": False}),
     }
     ref = None
-    for name, (prompts, over) in variants.items():
-        results, seen, stats, _ = workers.engine_logits(TPContext.single("cuda"), [prompts], {**base, **over})
-        keys = sorted((k for k in seen if k[:300] == tuple(probes[4])), key=len)
-        if ref is None:
-            ref = {k: seen[k] for k in keys}
-        same = ["=" if torch.equal(seen[k], ref[k]) else f"x{(seen[k].float() - ref[k].float()).abs().max():.3g}"
-                for k in ref]  # fmt: skip
-        print(f"{name:24s} {' '.join(same)}  stats={stats}", flush=True)
+    for name, (groups, over) in variants.items():
+        if ref is not None and wanted and name not in wanted:
+            continue
+        _, seen, stats, _ = workers.engine_logits(TPContext.single("cuda"), groups, {**base, **over}, by_group=True)
+        for g, group in enumerate(seen):
+            keys = sorted((k for k in group if k[:300] == tuple(probes[4])), key=len)
+            if ref is None:
+                ref = {k: group[k] for k in keys}
+            same = ["=" if torch.equal(group[k], ref[k]) else f"x{(group[k].float() - ref[k].float()).abs().max():.3g}"
+                    for k in ref]  # fmt: skip
+            print(f"{name + (f' #{g}' if len(seen) > 1 else ''):26s} {' '.join(same)}  stats={stats}", flush=True)
 
 
 if __name__ == "__main__":
