@@ -57,8 +57,45 @@ def kernels() -> None:
                   f"{torch.equal(out[:300], whole)}", flush=True)  # fmt: skip
 
 
+def kv_after_prefill(prompt: list[int], config: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's cached K and V of the prompt's positions right after its prefill's last step."""
+    from tpweave.engine import LLMEngine, SamplingParams
+
+    torch._dynamo.reset()
+    engine = LLMEngine(TPContext.single("cuda"), "tiny", **config)
+    runner, launch, kv = engine.runner, engine.runner.launch, []
+    layers = [m for m in runner.model.modules() if getattr(m, "k_cache", None) is not None]
+
+    def snapshot_launch(chunks):
+        out = launch(chunks)
+        for c in chunks:
+            if not kv and c.start + c.num_tokens == len(prompt):
+                torch.cuda.synchronize()
+                pos = torch.arange(len(prompt))
+                slots = torch.tensor(c.seq.block_table)[pos // runner.block_size] * runner.block_size
+                slots = (slots + pos % runner.block_size).cuda()
+                kv.extend((m.k_cache[slots].clone(), m.v_cache[slots].clone()) for m in layers)
+        return out
+
+    runner.launch = snapshot_launch
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+    return kv
+
+
+def compare_kv(probe: list[int], base: dict, one_step: dict) -> None:
+    """Where the one-step runs' cached K/V differ from the chunked run's: layer, K or V, positions."""
+    ref = kv_after_prefill(probe, base)
+    for name, over in (("one_step", one_step), ("one_step_no_graphs", {**one_step, "cuda_graphs": False})):
+        got = kv_after_prefill(probe, {**base, **over})
+        for layer, ((k0, v0), (k1, v1)) in enumerate(zip(ref, got)):
+            for what, a, b in (("K", k0, k1), ("V", v0, v1)):
+                bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
+                print(f"{name:20s} layer {layer} {what}: {len(bad)} positions differ"
+                      f"{f' (first {bad[:3]}, last {bad[-1]})' if bad else ''}", flush=True)  # fmt: skip
+
+
 def main() -> None:
-    wanted = sys.argv[1:]  # variant names (default: all), "kernels" for the kernel checks
+    wanted = sys.argv[1:]  # variant names (default: all), "kernels" for the kernel checks, "kv" for compare_kv
     if not wanted or "kernels" in wanted:
         kernels()
     rng = random.Random(3)
@@ -67,6 +104,9 @@ def main() -> None:
                 num_blocks=2000, async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
     one_step = {"max_num_batched_tokens": 8192}
     p = [probes[4]]
+    if "kv" in wanted:
+        compare_kv(probes[4], base, one_step)
+        return
     variants = {
         "chunked": ([p], {}),
         "one_step": ([p], one_step),
