@@ -79,13 +79,19 @@ def kv_after_prefill(prompt: list[int], config: dict) -> list[tuple[torch.Tensor
 
     runner.launch = snapshot_launch
     engine.generate([prompt], SamplingParams(max_tokens=2))
+    import tpweave
+
+    report = tpweave.report(runner.forward)
+    print(f"  compiles {report.num_compiles}, graphs {[(g.variant, g.serves) for g in report.graphs]}", flush=True)
     return kv
 
 
 def compare_kv(probe: list[int], base: dict, one_step: dict) -> None:
     """Where the one-step runs' cached K/V differ from the chunked run's: layer, K or V, positions."""
     ref = kv_after_prefill(probe, base)
-    for name, over in (("one_step", one_step), ("one_step_no_graphs", {**one_step, "cuda_graphs": False})):
+    runs = {"one_step": one_step, "one_step_piecewise": {**one_step, "whole_step_graphs": False},
+            "one_step_no_graphs": {**one_step, "cuda_graphs": False}}  # fmt: skip
+    for name, over in runs.items():
         got = kv_after_prefill(probe, {**base, **over})
         for layer, ((k0, v0), (k1, v1)) in enumerate(zip(ref, got)):
             for what, a, b in (("K", k0, k1), ("V", v0, v1)):
