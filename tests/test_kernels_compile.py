@@ -236,6 +236,7 @@ def test_every_tpweave_kernel_is_compiled_here():
         "_invariant_matmul_kernel",
         "_invariant_matmul_tma_kernel",
         "_tree_matmul_kernel",
+        "_grouped_matmul_kernel",
         "_invariant_attention_kernel",
         "_merge_chunks_kernel",
         "_argmax_slices_kernel",
@@ -361,6 +362,23 @@ def test_tree_matmul_kernel_compiles():
                     PDL=True)  # fmt: skip
         kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
         assert "wgmma.mma_async" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+
+
+def test_grouped_matmul_kernel_compiles():
+    """The grouped product (a mixture of experts) at its pointer launch shapes and with the tree's K walk: mma.sync
+    below 64 rows, warpgroup MMA from 64, no load before the PDL wait (the offsets may be the kernel's just before)."""
+    from tpweave.ops import invariant_kernels as ik
+
+    fn = ik._grouped_matmul_kernel
+    types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", cu_ptr="*i32", num_groups="i32", slots="i32", N="i32",
+                 K="i32") | {name: "i32" for name in fn.arg_names if name.startswith("stride_")}  # fmt: skip
+    for t, chunks in [*((t, 0) for t in ik.TILINGS), (ik.TREE_TILING, 8)]:
+        meta = dict(CHUNKS=chunks, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                    SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True)  # fmt: skip
+        kernel = compile_kernel(fn, types, meta, num_warps=t.num_warps, num_stages=t.num_stages)
+        ptx = kernel.asm["ptx"]
+        assert ("wgmma.mma_async" in ptx) == (t.block_m >= 64) and ("mma.sync" in ptx) == (t.block_m < 64), t
+        assert not loads_before_wait(kernel), t
 
 
 @pytest.mark.parametrize("paged", [False, True])
