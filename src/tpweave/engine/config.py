@@ -23,7 +23,7 @@ class EngineConfig:
     piecewise_graphs prefill and mixed steps replay the pieces between attention ops, captured per token-count
     bucket (`prefill_graph_sizes`, default engine/buckets.py's up to max_num_batched_tokens; steps padded up);
     with whole_step_graphs, such steps replay instead one graph of the whole forward per bucket, attention included
-    (their sequences padded to a fixed count).
+    (their sequences padded to a fixed count; not with `invariant`, which keeps the piecewise graphs: model_runner).
     async_scheduling: plan and launch each step before reading the previous step's tokens (engine/llm_engine.py).
     model_overrides: ModelConfig fields to change (e.g. num_layers)."""
 
