@@ -100,18 +100,66 @@ def compare_kv(probe: list[int], base: dict, one_step: dict) -> None:
                       f"{f' (first {bad[:3]}, last {bad[-1]})' if bad else ''}", flush=True)  # fmt: skip
 
 
+def attention_rows(prompt: list[int], config: dict, num_layers: int = 2) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's attention input q (rotated) and output for the prompt's rows in the step that prefills it whole,
+    copied inside the step (so inside its CUDA graph, where it has one) into buffers made before the engine."""
+    from tpweave.engine import LLMEngine, SamplingParams
+    from tpweave.ops import invariant_kernels
+
+    n = len(prompt)
+    bufs = [(torch.zeros(n, 8, 64, device="cuda", dtype=torch.bfloat16),
+             torch.zeros(n, 8, 64, device="cuda", dtype=torch.bfloat16)) for _ in range(num_layers)]  # fmt: skip
+    calls = [0]
+    attention = invariant_kernels.attention
+
+    def stashing(q, *args, **kwargs):  # every forward calls it once per layer, in order
+        out = attention(q, *args, **kwargs)
+        if q.shape[0] >= n:  # the steps of the whole prompt (the first rows: one sequence, or the first of several)
+            q_buf, o_buf = bufs[calls[0] % num_layers]
+            q_buf.copy_(q[:n])
+            o_buf.copy_(out[:n])
+        calls[0] += 1
+        return out
+
+    invariant_kernels.attention = stashing
+    try:
+        torch._dynamo.reset()
+        engine = LLMEngine(TPContext.single("cuda"), "tiny", **config)
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        torch.cuda.synchronize()
+    finally:
+        invariant_kernels.attention = attention
+    return [(q.clone(), o.clone()) for q, o in bufs]
+
+
+def compare_attention(probe: list[int], base: dict, one_step: dict) -> None:
+    """Layer by layer, the attention's q and output of the prompt prefilled in one step from a whole-step graph
+    against without graphs: which rows differ (the cached K/V put the difference in the first layer)."""
+    ref = attention_rows(probe, {**base, **one_step, "cuda_graphs": False})
+    got = attention_rows(probe, {**base, **one_step})
+    for layer, ((q0, o0), (q1, o1)) in enumerate(zip(ref, got)):
+        for what, a, b in (("q", q0, q1), ("out", o0, o1)):
+            bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
+            print(f"layer {layer} attention {what}: {len(bad)} rows differ{f' {bad[:8]}' if bad else ''}", flush=True)
+
+
 def main() -> None:
-    wanted = sys.argv[1:]  # variant names (default: all), "kernels" for the kernel checks, "kv" for compare_kv
+    # variant names (default: all); "kernels": the kernel checks; "kv": compare_kv; "attention": compare_attention
+    wanted = sys.argv[1:]
     if not wanted or "kernels" in wanted:
         kernels()
     rng = random.Random(3)
     probes = [[rng.randrange(1536) for _ in range(n)] for n in (1, 9, 40, 130, 300)]
     base = dict(dtype=torch.bfloat16, block_size=16, max_num_seqs=256, max_num_batched_tokens=256, max_model_len=320,
                 num_blocks=2000, async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
-    one_step = {"max_num_batched_tokens": 8192}
+    # whole_step_graphs=True: graphs of the whole step in invariant mode too (off by default there since this probe)
+    one_step = {"max_num_batched_tokens": 8192, "whole_step_graphs": True}
     p = [probes[4]]
     if "kv" in wanted:
         compare_kv(probes[4], base, one_step)
+        return
+    if "attention" in wanted:
+        compare_attention(probes[4], base, one_step)
         return
     variants = {
         "chunked": ([p], {}),
