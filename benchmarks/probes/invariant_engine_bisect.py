@@ -2,7 +2,8 @@
 tests/test_invariant.py's WIDE shapes, bf16): one 300-token prompt alone, chunked (256 + 44) or in one step, with CUDA
 graphs or without, and first among 256 other requests; every sampled token's logits against the chunked run's.
     python benchmarks/probes/invariant_engine_bisect.py [kernels] [VARIANT...] > bisect.log  (the first variant, the
-    chunked run, always runs: the others are compared with it)"""
+    chunked run, always runs: the others are compared with it); `... kv`: each layer's cached K/V after the prefill;
+    `... calls`: every matmul's and attention's output inside the step, call by call"""
 
 import random
 import sys
@@ -100,51 +101,64 @@ def compare_kv(probe: list[int], base: dict, one_step: dict) -> None:
                       f"{f' (first {bad[:3]}, last {bad[-1]})' if bad else ''}", flush=True)  # fmt: skip
 
 
-def attention_rows(prompt: list[int], config: dict, num_layers: int = 2) -> list[tuple[torch.Tensor, ...]]:
-    """Each layer's attention input q (rotated) and output for the prompt's rows in the step that prefills it whole,
-    copied inside the step (so inside its CUDA graph, where it has one) into buffers made before the engine."""
+def stashed_outputs(prompt: list[int], config: dict, stashes_per_forward: int = 12) -> list[tuple[str, torch.Tensor]]:
+    """The output (the attention's rotated q too) of every invariant matmul and attention call of at least the
+    prompt's rows, for the prompt's rows, in call order, from the step that prefills it whole: copied inside the
+    step (so inside its CUDA graph, where it has one) into buffers made at the first such call (an eager warm-up).
+    Every forward of that many rows stashes the same `stashes_per_forward` tensors in the same order (2 layers: 4
+    matmuls, and an attention's q and output each), which is how a call inside a graph knows its slot."""
     from tpweave.engine import LLMEngine, SamplingParams
     from tpweave.ops import invariant_kernels
 
     n = len(prompt)
-    bufs = [(torch.zeros(n, 8, 64, device="cuda", dtype=torch.bfloat16),
-             torch.zeros(n, 8, 64, device="cuda", dtype=torch.bfloat16)) for _ in range(num_layers)]  # fmt: skip
-    calls = [0]
-    attention = invariant_kernels.attention
+    slots: dict[int, tuple[str, torch.Tensor]] = {}
+    count = [0]
+    originals = {"matmul": invariant_kernels.matmul, "attention": invariant_kernels.attention}
 
-    def stashing(q, *args, **kwargs):  # every forward calls it once per layer, in order
-        out = attention(q, *args, **kwargs)
-        if q.shape[0] >= n:  # the steps of the whole prompt (the first rows: one sequence, or the first of several)
-            q_buf, o_buf = bufs[calls[0] % num_layers]
-            q_buf.copy_(q[:n])
-            o_buf.copy_(out[:n])
-        calls[0] += 1
+    def stash(name: str, t: torch.Tensor) -> None:
+        i = count[0] % stashes_per_forward
+        count[0] += 1
+        if i not in slots:
+            slots[i] = (name, torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device))
+        slots[i][1].copy_(t[:n])
+
+    def matmul(a, *args, **kwargs):
+        out = originals["matmul"](a, *args, **kwargs)
+        if a.shape[0] >= n:
+            stash("matmul", out)
         return out
 
-    invariant_kernels.attention = stashing
+    def attention(q, *args, **kwargs):
+        out = originals["attention"](q, *args, **kwargs)
+        if q.shape[0] >= n:
+            stash("attention q", q)
+            stash("attention", out)
+        return out
+
+    invariant_kernels.matmul, invariant_kernels.attention = matmul, attention
     try:
         torch._dynamo.reset()
         engine = LLMEngine(TPContext.single("cuda"), "tiny", **config)
         engine.generate([prompt], SamplingParams(max_tokens=1))
         torch.cuda.synchronize()
     finally:
-        invariant_kernels.attention = attention
-    return [(q.clone(), o.clone()) for q, o in bufs]
+        invariant_kernels.matmul, invariant_kernels.attention = originals["matmul"], originals["attention"]
+    return [(name, t.clone()) for _, (name, t) in sorted(slots.items())]
 
 
-def compare_attention(probe: list[int], base: dict, one_step: dict) -> None:
-    """Layer by layer, the attention's q and output of the prompt prefilled in one step from a whole-step graph
-    against without graphs: which rows differ (the cached K/V put the difference in the first layer)."""
-    ref = attention_rows(probe, {**base, **one_step, "cuda_graphs": False})
-    got = attention_rows(probe, {**base, **one_step})
-    for layer, ((q0, o0), (q1, o1)) in enumerate(zip(ref, got)):
-        for what, a, b in (("q", q0, q1), ("out", o0, o1)):
-            bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
-            print(f"layer {layer} attention {what}: {len(bad)} rows differ{f' {bad[:8]}' if bad else ''}", flush=True)
+def compare_calls(probe: list[int], base: dict, one_step: dict) -> None:
+    """Call by call, the prompt prefilled in one step from a whole-step graph against without graphs: the first
+    call whose output differs, and in which rows (the cached K/V put the difference in the first layer)."""
+    ref = stashed_outputs(probe, {**base, **one_step, "cuda_graphs": False})
+    got = stashed_outputs(probe, {**base, **one_step})
+    for i, ((name, a), (_, b)) in enumerate(zip(ref, got)):
+        bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
+        big = f", largest difference {(a.float() - b.float()).abs().max():.3g}" if bad else ""
+        print(f"call {i:2d} {name:15s}: {len(bad)} rows differ{f' {bad[:8]}' if bad else ''}{big}", flush=True)
 
 
 def main() -> None:
-    # variant names (default: all); "kernels": the kernel checks; "kv": compare_kv; "attention": compare_attention
+    # variant names (default: all); "kernels": the kernel checks; "kv": compare_kv; "calls": compare_calls
     wanted = sys.argv[1:]
     if not wanted or "kernels" in wanted:
         kernels()
@@ -158,8 +172,8 @@ def main() -> None:
     if "kv" in wanted:
         compare_kv(probes[4], base, one_step)
         return
-    if "attention" in wanted:
-        compare_attention(probes[4], base, one_step)
+    if "calls" in wanted:
+        compare_calls(probes[4], base, one_step)
         return
     variants = {
         "chunked": ([p], {}),
