@@ -163,6 +163,8 @@ class ModelRunner:
         # piecewise graphs and eager steps gave the chunked prefill's (benchmarks/probes/invariant_engine_bisect.py;
         # the cause is not found)
         whole = self.pieces is not None and config.replays_whole_steps
+        if graphs and self.pieces is not None and config.invariant and config.whole_step_graphs is None:
+            progress("invariant mode: prefill and mixed steps replay piecewise CUDA graphs, not whole-step ones")
         if graphs:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
             # workspaces for the largest M, so nothing is reallocated under a captured graph.

@@ -343,23 +343,15 @@ if triton is not None:
                            BLOCK_K: tl.constexpr):  # fmt: skip
         """Rows rm (< M) of A @ columns rn (< N) of B as the tree product (tree_matmul): each of CHUNKS chunks of KC
         walked in BLOCK_K steps into an fp32 tile of its own, the chunks' tiles summed pairwise, neighbours first."""
-        rk = tl.arange(0, BLOCK_K)
         # the sums of the last 1, 2 and 4 leaves not yet paired (collectives.tree_sum's tree, built left to right)
         s0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         s1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         s2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
-            a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (c * KC + rk[None, :]).to(tl.int64) * stride_ak
-            b_ptrs = b_ptr + (c * KC + rk[:, None]).to(tl.int64) * stride_bk + rn[None, :].to(tl.int64) * stride_bn
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, KC, BLOCK_K):
-                k_ok = rk < KC - k0
-                a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
-                part = tl.dot(a, b, part)
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+            k_first = (KC * c).to(tl.int64)  # the chunk's first K index (int64: a weight's offsets may pass 2**31)
+            part = _product_tile(a_ptr + k_first * stride_ak, b_ptr + k_first * stride_bk, rm, rn, M, N, KC, stride_am,
+                                 stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             if c % 2 == 0:
                 s0 = part
             else:
