@@ -474,6 +474,46 @@ def test_a_mixture_of_experts_grouped_matmul_is_made_invariant():
             assert swapped.get(name) == 1, swapped
 
 
+class _AddNorm(torch.nn.Module):
+    """A residual add, an RMSNorm over a hidden size <= 1024 (Inductor's persistent reduction), a projection."""
+
+    def __init__(self, hidden: int = 512):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(hidden) + 0.5)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, residual):
+        h = (x + residual).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.proj((h * self.weight).to(x.dtype))
+
+
+@pytest.mark.gpu(gpus=1)
+def test_two_compiles_whose_first_calls_differ_in_m_give_a_row_the_same_bits_on_the_gpu():
+    """Inductor picks a reduction's kernel configuration from the size hint of its rows, which is the first call's M:
+    a compile first called with 8 rows and one first called with 2048 (two engines with other token budgets) would
+    reduce a row of the norm in other orders. In invariant mode both give every row the same bits, and the bits of
+    that row alone (the graph of one row)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    model = _AddNorm().to("cuda", torch.bfloat16)
+    x = torch.randn(4096, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    residual = torch.randn(4096, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    outs = []
+    # no cache: a second compile must not reuse the first one's kernels
+    with torch._inductor.config.patch(fx_graph_cache=False, autotune_local_cache=False):
+        for first in (8, 2048):
+            torch._dynamo.reset()
+            compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
+            compiled(x[:first], residual[:first])
+            outs.append((compiled(x, residual), [compiled(x[i : i + 1], residual[i : i + 1]) for i in (0, 115, 4095)]))
+    (many, alone), (many_2, alone_2) = outs
+    torch.testing.assert_close(many, model(x, residual), rtol=2e-2, atol=2e-2)
+    differ = (many != many_2).any(1).nonzero().flatten().tolist()
+    assert not differ, f"{len(differ)} rows differ, first {differ[:5]}"
+    for i, a, b in zip((0, 115, 4095), alone, alone_2):
+        assert torch.equal(a, many[i : i + 1]) and torch.equal(b, many[i : i + 1]), i
+
+
 @pytest.mark.gpu(gpus=1)
 def test_a_mixture_of_experts_grouped_matmul_is_one_launch_under_cuda_graphs_on_the_gpu(monkeypatch):
     """On the GPU (bf16) tpweave::invariant_grouped_mm is one launch with no host read: each expert's rows the bits of

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
+from tpweave.compiler.dynamic import INVARIANT_TOKEN_HINT, mark_tokens_dynamic, token_dynamic_config
 from tpweave.compiler.invariant import NotInvariant
 from tpweave.compiler.options import CompilePlan
 from tpweave.compiler.report import CompileReport
@@ -69,14 +69,15 @@ def _dynamo_budget(num_variants: int):
         logger_.removeFilter(watch)
 
 
-def _mark_dynamic(args: tuple) -> None:
-    """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors."""
+def _mark_dynamic(args: tuple, *, hint: int | None = None) -> None:
+    """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors (`hint`:
+    mark_tokens_dynamic's)."""
     for a in args:
         if not isinstance(a, torch.Tensor) or a.dim() == 0:
             continue
         ndim = a.dim() if not a.is_floating_point() else max(a.dim() - 1, 1)
         for d in range(ndim):
-            mark_tokens_dynamic([a], dim=d)
+            mark_tokens_dynamic([a], dim=d, hint=hint)
 
 
 @dataclass
@@ -154,7 +155,7 @@ class CompiledTP:
         if invariant is not None and self.not_invariant is not None:
             raise RuntimeError(self.not_invariant)
         self.calls[variant] += 1
-        _mark_dynamic(inputs)
+        _mark_dynamic(inputs, hint=INVARIANT_TOKEN_HINT if invariant is not None else None)
         num_compiles_before, start = self.compile_report.num_compiles, time.monotonic()
         trace_error = None
         with _dynamo_budget(len(self.variants)) as watch:
