@@ -328,20 +328,6 @@ def test_prefill_buckets_pad_a_step_by_at_most_an_eighth_past_256_tokens():
         EngineConfig(max_num_batched_tokens=64, prefill_graph_sizes=(128,))
 
 
-def test_invariant_mode_replays_piecewise_graphs_unless_whole_step_graphs_are_asked_for():
-    """Graphs of whole prefill and mixed steps: on by default, off in invariant mode (a whole-step graph gave a row
-    other bits there: engine/model_runner.py), on in invariant mode where whole_step_graphs=True says so."""
-    from tpweave.engine.config import EngineConfig
-
-    assert EngineConfig().replays_whole_steps and not EngineConfig(whole_step_graphs=False).replays_whole_steps
-    for level in ("batch", "tp"):
-        assert not EngineConfig(invariant=level).replays_whole_steps
-        assert EngineConfig(invariant=level, whole_step_graphs=True).replays_whole_steps
-    with pytest.raises(ValueError, match="whole_step_graphs must be None, True or False"):
-        EngineConfig(whole_step_graphs="yes")
-
-
-@pytest.mark.parametrize("tp", [1, 2])
 def test_padded_steps_give_the_unpadded_engines_tokens(tp):
     """Prefill and mixed steps padded up to a bucket (one more sequence of padding rows in the pad block, the
     sampled rows padded too), as the engine does for piecewise CUDA graphs: the same tokens, at TP 1 and 2,

@@ -161,7 +161,7 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
     """Each request alone, then all together in steps of at most 16 tokens (chunked prefill, mixed steps), with too
     few KV blocks for all (preemption), and with steps padded as for piecewise graphs: every sampled token's logits
     bitwise the same as alone (on a GPU: ops/invariant_kernels.py's kernels, its decode CUDA graphs, and its prefill
-    and mixed steps from piecewise graphs: invariant mode replays no graph of a whole prefill or mixed step)."""
+    and mixed steps from graphs of the whole step, their sequences padded with empty ones, or piecewise graphs)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
     config = dict(dtype=dtype, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
@@ -171,17 +171,21 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
         _, seen = _engine_logits([p], {**config, "num_blocks": 32}, device=device)
         alone.update(seen)
     preempted = 0
-    for blocks, pad_to in [(32, None), (16, (16,)), (16, None)]:
-        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks}, pad_to=pad_to, device=device)
+    runs = [(32, None, True), (16, (16,), True), (16, None, True)]
+    if device == "cuda":
+        runs.append((16, None, False))  # piecewise graphs rather than whole-step ones
+    for blocks, pad_to, whole in runs:
+        results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks, "whole_step_graphs": whole},
+                                       pad_to=pad_to, device=device)  # fmt: skip
         assert all(len(r["token_ids"]) == 6 for r in results)
         preempted += sum(r["num_preemptions"] for r in results)
         assert set(seen) <= set(alone) and len(seen) == len(alone) == 5 * 6
         for key, logits in seen.items():
             assert torch.equal(logits, alone[key]), (blocks, pad_to, len(key))
-        if device == "cuda":  # the graph paths ran: decode graphs, and piecewise prefill graphs (not whole-step ones)
+        if device == "cuda":  # the graph paths ran: decode graphs, and whole-step or piecewise prefill graphs
             stats = _engine_logits.step_stats
-            assert stats["decode_graph"] > 0 and stats["piecewise"] > 0, stats
-            assert stats["eager"] == 0 and stats["whole_graph"] == 0, stats
+            assert stats["decode_graph"] > 0 and stats["whole_graph" if whole else "piecewise"] > 0, stats
+            assert stats["eager"] == 0, stats
     assert preempted > 0  # 16 blocks of 4 cannot hold all five at once
 
 
@@ -215,7 +219,7 @@ def test_engine_request_alone_equals_among_64_and_256_others_on_the_gpu():
     assert stats["most_seqs"] >= 64 and crowded_stats["most_seqs"] == 256, (stats, crowded_stats)
     assert sum(r["num_preemptions"] for r in crowded) > 0
     for st in (stats, crowded_stats):
-        assert st["decode_graph"] > 0 and st["piecewise"] > 0 and st["eager"] == 0, st
+        assert st["decode_graph"] > 0 and st["whole_graph"] > 0 and st["eager"] == 0, st
 
 
 def test_engine_at_tp_2_gives_each_request_the_logits_it_has_alone_at_tp_1():

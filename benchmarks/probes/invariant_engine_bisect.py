@@ -166,7 +166,6 @@ def main() -> None:
     probes = [[rng.randrange(1536) for _ in range(n)] for n in (1, 9, 40, 130, 300)]
     base = dict(dtype=torch.bfloat16, block_size=16, max_num_seqs=256, max_num_batched_tokens=256, max_model_len=320,
                 num_blocks=2000, async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
-    # whole_step_graphs=True: graphs of the whole step in invariant mode too (off by default there since this probe)
     one_step = {"max_num_batched_tokens": 8192, "whole_step_graphs": True}
     p = [probes[4]]
     if "kv" in wanted:

@@ -23,8 +23,7 @@ class EngineConfig:
     piecewise_graphs prefill and mixed steps replay the pieces between attention ops, captured per token-count
     bucket (`prefill_graph_sizes`, default engine/buckets.py's up to max_num_batched_tokens; steps padded up);
     with whole_step_graphs, such steps replay instead one graph of the whole forward per bucket, attention included
-    (their sequences padded to a fixed count); None (the default): on, but off with `invariant` (model_runner says
-    why), True: on in invariant mode too.
+    (their sequences padded to a fixed count).
     async_scheduling: plan and launch each step before reading the previous step's tokens (engine/llm_engine.py).
     model_overrides: ModelConfig fields to change (e.g. num_layers)."""
 
@@ -41,7 +40,7 @@ class EngineConfig:
     token_split_min_tokens: int | None = None  # None: the calibration table's (CompileOptions)
     cuda_graphs: bool = True
     piecewise_graphs: bool = True
-    whole_step_graphs: bool | None = None
+    whole_step_graphs: bool = True
     prefill_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
@@ -59,8 +58,6 @@ class EngineConfig:
         if self.prefill_graph_sizes is not None:
             sizes = check_sizes(self.prefill_graph_sizes, self.max_num_batched_tokens, "prefill_graph_sizes")
             object.__setattr__(self, "prefill_graph_sizes", tuple(sizes))
-        if self.whole_step_graphs not in (None, True, False):
-            raise ValueError(f"whole_step_graphs must be None, True or False, got {self.whole_step_graphs!r}")
         if self.invariant not in (None, "batch", "tp"):
             raise ValueError(f"invariant must be None, 'batch' or 'tp', got {self.invariant!r}")
         if self.invariant is not None and not self.compile_model:
@@ -75,12 +72,6 @@ class EngineConfig:
             raise TypeError(
                 f"unknown model override(s) {', '.join(unknown)}: ModelConfig fields are {sorted(model_fields)}"
             )
-
-    @property
-    def replays_whole_steps(self) -> bool:
-        """Whether prefill and mixed steps replay graphs of the whole step (with cuda_graphs and piecewise_graphs):
-        whole_step_graphs, whose default None means yes but in invariant mode (engine/model_runner.py says why)."""
-        return self.invariant is None if self.whole_step_graphs is None else self.whole_step_graphs
 
     @classmethod
     def from_kwargs(cls, config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:

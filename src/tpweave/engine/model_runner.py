@@ -158,13 +158,7 @@ class ModelRunner:
         top = config.max_num_seqs + 1
         self._seq_buckets = [b for b in STEP_SEQ_BUCKETS if b < top] + [top]
         self._step_width = max([self.max_blocks_per_seq] + [-(-b // self.block_size) for b in self.prefill_buckets])
-        # invariant mode replays piecewise graphs unless asked (EngineConfig.replays_whole_steps): from a graph of the
-        # whole step, one row of a fresh 300-token prefill got other bits in its first layer on one H100, where
-        # piecewise graphs and eager steps gave the chunked prefill's (benchmarks/probes/invariant_engine_bisect.py;
-        # the cause is not found)
-        whole = self.pieces is not None and config.replays_whole_steps
-        if graphs and self.pieces is not None and config.invariant and config.whole_step_graphs is None:
-            progress("invariant mode: prefill and mixed steps replay piecewise CUDA graphs, not whole-step ones")
+        whole = self.pieces is not None and config.whole_step_graphs
         if graphs:
             # The largest step first: compiles its graph and sizes symmetric-memory buffers and
             # workspaces for the largest M, so nothing is reallocated under a captured graph.
