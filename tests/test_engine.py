@@ -328,6 +328,7 @@ def test_prefill_buckets_pad_a_step_by_at_most_an_eighth_past_256_tokens():
         EngineConfig(max_num_batched_tokens=64, prefill_graph_sizes=(128,))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_padded_steps_give_the_unpadded_engines_tokens(tp):
     """Prefill and mixed steps padded up to a bucket (one more sequence of padding rows in the pad block, the
     sampled rows padded too), as the engine does for piecewise CUDA graphs: the same tokens, at TP 1 and 2,
