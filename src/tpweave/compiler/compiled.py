@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tpweave.compiler.dynamic import INVARIANT_TOKEN_HINT, mark_tokens_dynamic, token_dynamic_config
+from tpweave.compiler.dynamic import mark_tokens_dynamic, token_dynamic_config
 from tpweave.compiler.invariant import NotInvariant
 from tpweave.compiler.options import CompilePlan
 from tpweave.compiler.report import CompileReport
@@ -69,15 +69,14 @@ def _dynamo_budget(num_variants: int):
         logger_.removeFilter(watch)
 
 
-def _mark_dynamic(args: tuple, *, hint: int | None = None) -> None:
-    """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors (`hint`:
-    mark_tokens_dynamic's)."""
+def _mark_dynamic(args: tuple) -> None:
+    """Token-like dims: every dim of integer tensors, every dim but the last (hidden) of float tensors."""
     for a in args:
         if not isinstance(a, torch.Tensor) or a.dim() == 0:
             continue
         ndim = a.dim() if not a.is_floating_point() else max(a.dim() - 1, 1)
         for d in range(ndim):
-            mark_tokens_dynamic([a], dim=d, hint=hint)
+            mark_tokens_dynamic([a], dim=d)
 
 
 @dataclass
@@ -112,15 +111,19 @@ class CompiledTP:
         split = self.plan.token_split_min_tokens
         return "split" if "split" in self.variants and num_tokens >= split else "plain"
 
+    def variant_ranges(self) -> dict[str, tuple[int, int | None]]:
+        """Each graph variant's token counts M >= 2 as (lowest, highest + 1 or None): where "split" and "sp" start."""
+        sp = self.sp_min_tokens if "sp" in self.variants else None
+        split = self.plan.token_split_min_tokens if "split" in self.variants else None
+        ranges = {"plain": (2, split or sp), "split": (split, sp), "sp": (sp, None)}
+        return {v: (max(lo or 2, 2), hi) for v, (lo, hi) in ranges.items() if v in self.variants}
+
     def serves(self, variant: str, num_tokens: int) -> str:
         """The token counts the graph of `variant` compiled for a call of num_tokens serves, in words: M = 1 has a
         graph of its own (compiler/dynamic.py), every other M of the variant's range one graph."""
         if num_tokens == 1:
             return "M = 1"
-        sp = self.sp_min_tokens if "sp" in self.variants else None
-        split = self.plan.token_split_min_tokens if "split" in self.variants else None
-        low, high = {"sp": (sp, None), "split": (split, sp)}.get(variant, (2, split or sp))
-        low = max(low or 2, 2)
+        low, high = self.variant_ranges()[variant]
         return f"M >= {low}" if high is None else f"M = {low}..{high - 1}"
 
     def graph_report_for(self, num_tokens: int):
@@ -155,7 +158,7 @@ class CompiledTP:
         if invariant is not None and self.not_invariant is not None:
             raise RuntimeError(self.not_invariant)
         self.calls[variant] += 1
-        _mark_dynamic(inputs, hint=INVARIANT_TOKEN_HINT if invariant is not None else None)
+        _mark_dynamic(inputs)
         num_compiles_before, start = self.compile_report.num_compiles, time.monotonic()
         trace_error = None
         with _dynamo_budget(len(self.variants)) as watch:

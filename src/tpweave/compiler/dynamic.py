@@ -24,25 +24,10 @@ def token_dynamic_config() -> contextlib.AbstractContextManager:
     return fx_config.patch(use_duck_shape=False)
 
 
-# Inductor picks a kernel's configuration from the size hints of its dims, and a dynamic dim's hint is the size it
-# had in the first call: two compiles of one model whose first calls differ in M (two engines with other token
-# budgets, two processes) could pick another block of rows per program for a reduction (a norm over a hidden size
-# <= 1024 once the hint reaches 1024 rows) and so sum a row in another order. Batch-invariant compiles give every
-# token dim this hint instead, below that threshold, so a row is reduced the same way in every compile (and as in the
-# graph of one row).
-INVARIANT_TOKEN_HINT = 256
-
-
-def mark_tokens_dynamic(tensors: Iterable[object], *, dim: int = 0, hint: int | None = None) -> None:
+def mark_tokens_dynamic(tensors: Iterable[object], *, dim: int = 0) -> None:
     """Mark the token dim of every tensor argument dynamic where it has 2 or more entries (non-tensors
     and 0-d tensors are skipped). Not enforced: where the model's code needs the exact size, Dynamo
-    specializes it (a recompile per size, noted in the report once the recompile limit is reached).
-    `hint`: the size Inductor's heuristics see for the dim instead of the first call's (torch.compile's
-    `mark_dynamic(..., hint_override=hint)`, which `maybe_mark_dynamic` does not take: the same attribute)."""
+    specializes it (a recompile per size, noted in the report once the recompile limit is reached)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] >= 2:
             torch._dynamo.maybe_mark_dynamic(t, dim)
-            if hint is not None:
-                if not hasattr(t, "_dynamo_hint_overrides"):
-                    t._dynamo_hint_overrides = {}
-                t._dynamo_hint_overrides[dim] = hint

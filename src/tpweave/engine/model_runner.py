@@ -124,6 +124,8 @@ class ModelRunner:
                 sp_min_tokens=config.sp_min_tokens,
                 token_split_min_tokens=config.token_split_min_tokens,
             )
+            if config.invariant is not None:
+                self._first_calls()
         self.prefill_buckets: list[int] = []
         if self.pieces is not None:
             self.prefill_buckets = list(config.prefill_graph_sizes or prefill_buckets(config.max_num_batched_tokens))
@@ -382,6 +384,17 @@ class ModelRunner:
         positions = pos % self.model.config.max_position_embeddings
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         return ids, positions, cu, slots, cu[1:] - cu[:-1], tables, bs, cu[1:].long() - 1, torch.tensor(False)
+
+    @torch.no_grad()
+    def _first_calls(self) -> None:
+        """Invariant mode: each graph variant first called at a token count the config fixes. Inductor picks a
+        reduction's kernel configuration (rows per program, warps: the order of a row's sum) from the size hint of its
+        rows, the M its graph was first called with; engines of other token budgets (their largest or first step of
+        another M) would otherwise reduce a norm's row in other orders. Two sequences of a block and a token each (no
+        block-table dim of size 1, which Dynamo would specialize), within the variant's range."""
+        for low, high in self.forward.variant_ranges().values():
+            m = 2 * (self.block_size + 1)
+            self.forward(*self._dummy_args(max(low, m if high is None else min(m, high - 1))))
 
     @torch.no_grad()
     def _largest_step(self, num_tokens: int) -> None:
