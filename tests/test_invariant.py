@@ -215,7 +215,7 @@ def test_invariant_engines_of_any_token_budget_first_call_each_graph_at_one_size
         steps = firsts[1:] if invariant else firsts  # the prompt's prefill, then decode steps
         assert steps[:2] == [prompt, 1], firsts
         assert not invariant or firsts[0] == 10, firsts  # two sequences of a block and a token
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu(gpus=1)
@@ -872,6 +872,32 @@ def test_a_graph_inductor_fails_on_after_the_passes_is_refused_in_invariant_mode
         assert "RuntimeError: a lowering that broke" in str(refused.value), refused.value
         notes = [n for g in tpweave.report(compiled).graphs for n in g.notes]
         assert any("refused" in n for n in notes) and not any("without our passes" in n for n in notes), notes
+
+
+def test_dynamo_restarting_its_analysis_in_the_backend_is_no_failure(monkeypatch):
+    """Dynamo may restart a frame's analysis from inside the backend (TensorifyScalarRestartAnalysis: a Python float
+    automatic dynamic made an input, specialized after all; seen building a second engine in one process): Dynamo
+    traces again and calls the backend anew. That is no failure of the passes: invariant mode does not refuse the
+    model, and the report counts the one graph compiled."""
+    from tpweave.compiler import tp_pass
+
+    compile_fx = tp_pass.TPBackend._compile
+    calls = []
+
+    def restarting_once(self, gm, example_inputs, passes):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis
+        return compile_fx(self, gm, example_inputs, passes)
+
+    monkeypatch.setattr(tp_pass.TPBackend, "_compile", restarting_once)
+    torch._dynamo.reset()
+    w, x = torch.randn(8, 8), torch.randn(5, 8)
+    compiled = compiler.compile(_MatMul(), options=CompileOptions(invariant="batch"))
+    torch.testing.assert_close(compiled(x, w), x @ w)
+    report = tpweave.report(compiled)
+    assert len(calls) == 2 and report.num_compiles == len(report.graphs) == 1, (calls, report.num_compiles)
+    assert not [n for g in report.graphs for n in g.notes], report.graphs[0].notes
 
 
 class _MatMul(torch.nn.Module):

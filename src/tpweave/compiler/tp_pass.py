@@ -129,6 +129,12 @@ class TPBackend:
         tp_pass = TPWeavePass(self.tp, self.options, graph_report, strict=self.strict)
         try:
             return self._compile(gm, example_inputs, tp_pass)
+        except torch._dynamo.exc.RestartAnalysis:
+            # Dynamo traces the frame again and calls the backend anew (e.g. a Python float that automatic dynamic
+            # made an input, specialized after all): not a failure, and this graph is not compiled
+            self.report.graphs.remove(graph_report)
+            self.report.num_compiles -= 1
+            raise
         except Exception as e:  # any failure: fall back, never crash
             if tp_pass.error is not None:
                 if self.strict:
