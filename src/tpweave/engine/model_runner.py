@@ -392,8 +392,8 @@ class ModelRunner:
         rows, the M its graph was first called with; engines of other token budgets (their largest or first step of
         another M) would otherwise reduce a norm's row in other orders. Two sequences of a block and a token each (no
         block-table dim of size 1, which Dynamo would specialize), within the variant's range."""
+        m = 2 * (self.block_size + 1)
         for low, high in self.forward.variant_ranges().values():
-            m = 2 * (self.block_size + 1)
             self.forward(*self._dummy_args(max(low, m if high is None else min(m, high - 1))))
 
     @torch.no_grad()
