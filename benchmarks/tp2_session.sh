@@ -19,6 +19,11 @@
 #   serve8b     prefill-heavy serving: baseline, auto, its A/A copy and auto without prefill graphs, llama3-8b
 #   calibrate70b, layer70b   the same for llama3-70b
 #   fp8         calibrate + latency for llama3-8b-fp8 (the 1.10x TTFT target at 8K)
+#   invariant8b what `--invariant batch` costs at TP=2 with SP, async TP and token split on, against invariant plain
+#               TP (`--baseline`: one graph, the ordered all-reduce): INVARIANT_RUNS (default "plain-batch batch
+#               plain-batch-again", each `bench engine` of 48 steps; plain* runs with --baseline, *batch* or *tp*
+#               with that level, default* in the default mode) compared by benchmarks/probes/invariant_cost.py, the
+#               plain* runs the reference and their last against their first the A/A control
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
@@ -62,6 +67,25 @@ step() {
             local args=(--model llama3-8b-fp8 -tp 2 --num-layers 8 --prefill 1x2048,1x8192 --decode 1x1024,64x1024 --num-iters 5 --inner 3)
             echo "tpweave bench latency ${args[*]}" >> "$dir/commands.txt"
             tpw bench latency "${args[@]}" --output-dir "$dir" --overwrite 2>&1 | tee "$dir/latency.log" | tail -5 ;;
+        invariant8b)
+            local refs=() arms=() run flags
+            for run in ${INVARIANT_RUNS:-plain-batch batch plain-batch-again}; do
+                flags=(--model llama3-8b -tp 2 --num-iters 48)
+                case $run in plain*) flags+=(--baseline) ;; esac
+                case $run in *batch*) flags+=(--invariant batch) ;; *tp*) flags+=(--invariant tp) ;; esac
+                echo "tpweave bench engine ${flags[*]} --name engine-$run" >> "$dir/commands.txt"
+                # a run that hangs or fails leaves the others' results (and the pack below) within the device's call
+                timeout "${INVARIANT_RUN_TIMEOUT_S:-180}" python -m tpweave bench engine "${flags[@]}" --output-dir "$dir" \
+                    --name "engine-$run" > "$dir/engine-$run.log" 2>&1 || echo "rc=$?" >> "$dir/engine-$run.log"
+                [ -f "$dir/engine-$run.json" ] || continue
+                case $run in plain*) refs+=("$dir/engine-$run.json") ;; *) arms+=("$dir/engine-$run.json") ;; esac
+            done
+            if [ ${#refs[@]} -gt 0 ] && [ ${#arms[@]} -gt 0 ]; then
+                python benchmarks/probes/invariant_cost.py --default "${refs[@]}" --invariant "${arms[@]}" \
+                    --labels "plain TP" "SP+async TP" --out "$dir/invariant-cost.json" 2>&1 | tee "$dir/invariant-cost.log"
+            else
+                echo "invariant8b: no plain* or no other run finished: nothing to compare" | tee "$dir/invariant-cost.log"
+            fi ;;
         *) echo "unknown step $name" >&2; exit 2 ;;
     esac
     mkdir -p "$OUT"

@@ -389,9 +389,10 @@ def test_logits_do_not_depend_on_the_tp_degree():
 
 
 def test_invariant_options_refuse_what_is_not_built():
-    from tpweave.compiler.options import plan
+    from tpweave.compiler.options import PLAIN_TP, plan
     from tpweave.compiler.tp_group import TPGroup
     from tpweave.engine.config import EngineConfig
+    from tpweave.ops.strategies.ordered import BY_LEVEL
 
     with pytest.raises(ValueError, match="invariant must be one of"):
         CompileOptions(invariant="yes")
@@ -406,6 +407,13 @@ def test_invariant_options_refuse_what_is_not_built():
     assert two.variants["sp"].async_tp and two.variants["sp"].policies(("ag_mm", "mm_rs")) == ["ordered"] * 2
     assert tp_two.variants["sp"].async_tp and tp_two.variants["sp"].policies(("ag_mm", "mm_rs")) == ["ordered_tp"] * 2
     assert tp_two.variants["plain"].all_reduce_policy == "ordered_tp"
+    # plain TP in invariant mode (the engine's baseline=True, `bench engine --baseline --invariant`: what the TP >= 2
+    # cost of SP + async TP is measured against): one graph, no token split, its all-reduces the ordered strategy's
+    for level in ("batch", "tp"):
+        plain = plan(PLAIN_TP.replace({"invariant": level}), TPGroup("g", 0, 2, "nccl"), None)
+        assert set(plain.variants) == {"plain"} and plain.token_split_min_tokens is None, level
+        assert plain.variants["plain"].all_reduce_policy == BY_LEVEL[level], level
+        assert plain.variants["plain"].all_reduce_rms_norm_policy == "sequential", level
     from tpweave.ops.strategies import STRATEGIES
 
     assert not STRATEGIES["ordered"].candidate  # a guarantee, never timed by calibration as a candidate for speed

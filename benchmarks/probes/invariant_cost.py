@@ -9,7 +9,11 @@ the A/A control. An A/A interval that excludes 1 says the session drifted by mor
 costs are then not to be trusted.
 
     python benchmarks/probes/invariant_cost.py --default D1.json [D2.json ...] --invariant I1.json [I2.json ...]
-        [--out cost.json]
+        [--labels REFERENCE ARM] [--out cost.json]
+
+At TP >= 2 (benchmarks/tp2_session.sh invariant8b) the reference is invariant plain TP (`--baseline --invariant
+batch`) and the arm invariant SP + async TP + token split: --labels names them in the output (the JSON keeps its
+field names, "default_ms" the reference's).
 """
 
 import argparse
@@ -71,22 +75,27 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--default", nargs="+", required=True, help="the default mode's runs, in the order they ran")
     p.add_argument("--invariant", nargs="+", required=True, help="--invariant batch runs")
+    p.add_argument("--labels", nargs=2, default=["default", "invariant"], metavar=("REFERENCE", "ARM"),
+                   help="what the --default and --invariant runs are, for the output")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     load = lambda files: [json.load(open(f)) for f in files]  # noqa: E731
     rows = compare(load(args.default), load(args.invariant))
     if not rows:
         raise SystemExit("no step measured by every run: nothing to compare")
+    ref, arm = args.labels
     for r in rows:
         key = KEYS[r["what"]]
         aa = f"  A/A {r['a_a']:.3f} [{r['a_a_lo']:.3f}, {r['a_a_hi']:.3f}]" if "a_a" in r else "  A/A n/a"
         print(
-            f"{r['what']:15s} {key}={r[key]:<5} {r['field']:15s} default {r['default_ms']:8.3f} ms  invariant "
+            f"{r['what']:15s} {key}={r[key]:<5} {r['field']:15s} {ref} {r['default_ms']:8.3f} ms  {arm} "
             f"{r['invariant_ms']:8.3f} ms  cost {r['cost']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}]{aa}"
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"sources": {"default": args.default, "invariant": args.invariant}, "rows": rows}, f, indent=1)
+            sources = {"default": args.default, "invariant": args.invariant}
+            json.dump({"sources": sources, "labels": dict(zip(("default", "invariant"), args.labels)), "rows": rows},
+                      f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

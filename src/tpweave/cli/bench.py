@@ -400,7 +400,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         warmup_steps=args.num_iters_warmup,
     )  # fmt: skip
     engine_kwargs = {"cuda_graphs": not args.enforce_eager, "compile_model": not args.no_compile,
-                     "async_scheduling": not args.sync_scheduling, "invariant": args.invariant}  # fmt: skip
+                     "async_scheduling": not args.sync_scheduling, "invariant": args.invariant,
+                     "baseline": args.baseline}  # fmt: skip
     gpus_start = gpu_state()
     worker_args = (args.model, args.dtype, args.num_layers, settings, engine_kwargs)
     with GpuSampler(out / f"{name}-nvidia-smi.csv") as sampler:

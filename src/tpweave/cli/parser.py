@@ -386,6 +386,11 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
     )
     eng.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
     eng.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before planning the next")
+    eng.add_argument(
+        "--baseline",
+        action="store_true",
+        help="plain TP: no SP, async TP or token split (the all-reduces NCCL's; with --invariant its ordered one)",
+    )
     _invariant(eng)
     _output(eng)
     eng.set_defaults(fn=commands["bench engine"])
