@@ -23,7 +23,7 @@ trap pack EXIT
 for step in $STEPS; do
     case $step in
     tests)
-        timeout 420 python -m pytest -q -m gpu tests/test_invariant.py -p no:logging --show-capture=stderr \
+        timeout 420 python -m pytest -v -m gpu tests/test_invariant.py -p no:logging --show-capture=stderr \
             > "$R/gpu-tests.log" 2>&1
         echo "rc=$?" >> "$R/gpu-tests.log" ;;
     cost)

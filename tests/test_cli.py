@@ -117,6 +117,31 @@ def test_an_error_inside_the_ranks_is_one_line_and_a_hint(monkeypatch, capsys):
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
+def test_bench_engine_passes_baseline_and_invariant_to_the_engine(monkeypatch, tmp_path):
+    """`bench engine --baseline --invariant batch` (the reference of the TP >= 2 cost of invariance): the engine the
+    ranks build gets plain TP and the invariant level; without the flags, neither."""
+    from tpweave.cli import bench
+    from tpweave.cli.main import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def ranks(fn, *worker_args, opts):
+        seen.append(worker_args[-1])  # engine_kwargs
+        raise Stop
+
+    monkeypatch.setattr(bench, "run_ranks", ranks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("tpweave.bench.provenance.gpu_state", lambda: {})
+    for flags in (["--baseline", "--invariant", "batch"], []):
+        with pytest.raises(Stop):
+            main(["bench", "engine", "--model", "tiny", "--output-dir", str(tmp_path), "--overwrite", *flags])
+    assert seen[0]["baseline"] is True and seen[0]["invariant"] == "batch"
+    assert seen[1]["baseline"] is False and seen[1]["invariant"] is None
+
+
 def test_a_broken_checkpoint_is_refused_before_any_rank_starts(tmp_path):
     """A model directory whose checkpoint is unreadable, lacks a tensor, holds one in another shape, or holds no
     *.safetensors at all: one line naming --model and what is wrong, exit 2, for the commands that load the
