@@ -10,7 +10,7 @@
 # Steps, in the order to run them (a protocol bug would hang calibration, so tests come first):
 #   tests       GPU tests on 2 ranks (ce_overlap / fused all-reduce + norm protocols; SP + async TP under Inductor's
 #               CUDA graph trees and graph partition with torch's symm_mem ops; the engine's piecewise graphs at
-#               TP=2), PDL + padding probe
+#               TP=2; invariant "tp" at TP 2 against TP 1), PDL + padding probe
 #   calibrate8b calibration table for llama3-8b (every strategy per site shape and M)
 #   layer8b     per-op / per-layer arms for llama3-8b with that table
 #   latency8b   whole-model TTFT / TPOT for llama3-8b (8 layers) with the table
@@ -38,7 +38,7 @@ step() {
     case $name in
         tests)
             # the emulated-rank tests (one GPU is enough for them) would not leave time for the probe
-            python -m pytest -q -m gpu tests/test_gpu_ops.py tests/test_gpu_pdl.py tests/test_compiler.py tests/test_engine.py -k "not emulated" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
+            python -m pytest -q -m gpu tests/test_gpu_ops.py tests/test_gpu_pdl.py tests/test_compiler.py tests/test_engine.py tests/test_invariant.py -k "not emulated and (not test_invariant or two_gpus)" -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" | tail -5
             python benchmarks/probes/padding_probe.py --output-dir "$dir/padding_probe.json" 2>&1 | tee "$dir/padding_probe.log" | tail -5 ;;
         calibrate8b | calibrate70b)
             local model=llama3-${name#calibrate}

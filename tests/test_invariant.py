@@ -816,6 +816,20 @@ def test_tp_level_on_emulated_ranks_gives_tp_1s_bits_on_the_gpu():
             assert torch.equal(logits, want), (world, name, (logits.float() - want.float()).abs().max())
 
 
+@pytest.mark.gpu(gpus=2)
+def test_tp_level_on_two_gpus_gives_tp_1s_bits():
+    """invariant="tp" at TP 2 on two GPUs (NCCL: the ordered strategies' all-gathers, async TP's ops under
+    `ordered_tp`): our Llama's logits in bf16 alone and packed (plain, token-split and SP graphs) bitwise those at
+    TP 1 on one GPU. The emulated-rank test's case, with ranks of their own."""
+    import workers
+
+    one = workers.tp_invariant_logits(TPContext.single("cuda"), "tp", torch.bfloat16)[0]
+    got, calls, _, _ = tpweave.launch(workers.tp_invariant_logits, "tp", torch.bfloat16, nprocs=2, timeout_s=300)[0]
+    assert calls == {"plain": 0, "split": 2, "sp": 1}, calls
+    for (name, want), (_, logits) in zip(one, got, strict=True):
+        assert torch.equal(logits, want), (name, (logits.float() - want.float()).abs().max())
+
+
 def test_an_input_that_would_run_eagerly_is_refused_not_answered():
     """Past Dynamo's recompile limit an input runs eagerly, without the invariant kernels: in invariant mode that call
     and every later one raise (naming the limit), where the default mode answers and notes it in the report."""
