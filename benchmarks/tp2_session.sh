@@ -22,8 +22,9 @@
 #   invariant8b what `--invariant batch` costs at TP=2 with SP, async TP and token split on, against invariant plain
 #               TP (`--baseline`: one graph, the ordered all-reduce): INVARIANT_RUNS (default "plain-batch batch
 #               plain-batch-again", each `bench engine` of 48 steps; plain* runs with --baseline, *batch* or *tp*
-#               with that level, default* in the default mode) compared by benchmarks/probes/invariant_cost.py, the
-#               plain* runs the reference and their last against their first the A/A control
+#               with that level, default* in the default mode, kept but not pooled) compared by
+#               benchmarks/probes/invariant_cost.py, the plain* runs the reference and their last against their first
+#               the A/A control
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
@@ -78,7 +79,8 @@ step() {
                 timeout "${INVARIANT_RUN_TIMEOUT_S:-180}" python -m tpweave bench engine "${flags[@]}" --output-dir "$dir" \
                     --name "engine-$run" > "$dir/engine-$run.log" 2>&1 || echo "rc=$?" >> "$dir/engine-$run.log"
                 [ -f "$dir/engine-$run.json" ] || continue
-                case $run in plain*) refs+=("$dir/engine-$run.json") ;; *) arms+=("$dir/engine-$run.json") ;; esac
+                # plain* the reference, the other invariant runs the arm; a default* run is kept beside them, unpooled
+                case $run in plain*) refs+=("$dir/engine-$run.json") ;; *batch* | *tp*) arms+=("$dir/engine-$run.json") ;; esac
             done
             if [ ${#refs[@]} -gt 0 ] && [ ${#arms[@]} -gt 0 ]; then
                 python benchmarks/probes/invariant_cost.py --default "${refs[@]}" --invariant "${arms[@]}" \
