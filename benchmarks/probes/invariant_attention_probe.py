@@ -2,9 +2,12 @@
 over a paged pool whose block tables are as wide as the engine's (max_model_len 8192): decode steps of B sequences at
 context 1024, a prefill of 2048 tokens and a mixed step, one program per tile against one per key chunk, under
 several rows per product / products per program / warps / pipeline depths; whether each plan gives the bits of one
-64-row product a program (a product under 64 rows runs on mma.sync instead of wgmma), and the default plan's.
+64-row product a program (a product under 64 rows runs on mma.sync instead of wgmma), and the default plan's. Plans
+with tiles launched in order ("-inorder": the first tiles, the fewest keys, first) or every chunk through the causal
+mask ("-masked") beside the default's longest-first, unmasked-where-possible walk; and the default mode's attention
+(ops/flash_prefill.py's paged prefill, no invariance) as `default_mode_ms`.
 
-    python benchmarks/probes/invariant_attention_probe.py [--out DIR]
+    python benchmarks/probes/invariant_attention_probe.py [--out DIR] [--cases prefill,mixed]
 """
 
 import argparse
@@ -14,6 +17,7 @@ from pathlib import Path
 import torch
 from invariant_mm_probe import time_ms  # this folder: GPU time per call, replayed from a CUDA graph
 
+from tpweave.ops import flash_prefill
 from tpweave.ops import invariant_kernels as ik
 
 HEADS, KV_HEADS, DIM, BLOCK, WIDTH = 32, 8, 128, 16, 8192 // 16
@@ -24,6 +28,8 @@ LAUNCHES = [ik.AttentionLaunch(w, s, r, sub) for w, s, r, sub in ((4, 2, 64, 1),
                                                                  (8, 2, 128, 1), (4, 2, 16, 1), (8, 2, 16, 1),
                                                                  (4, 2, 16, 2), (4, 2, 16, 4), (8, 2, 16, 4),
                                                                  (4, 2, 32, 1))]  # fmt: skip
+LAUNCHES += [ik.AttentionLaunch(rows=r, longest_first=lf, unmasked_full_chunks=um) for r in (64, 16)
+             for lf, um in ((False, True), (True, False), (False, False))]  # fmt: skip
 
 
 def case(q_lens, ctx_lens, gen):
@@ -46,23 +52,30 @@ def case(q_lens, ctx_lens, gen):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
+    p.add_argument("--cases", default="", help="comma-separated words: the cases whose name holds one (all if none)")
     args = p.parse_args()
+    words = [w for w in args.cases.split(",") if w]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (q_lens, ctx_lens) in CASES.items():
+        if words and not any(w in name for w in words):
+            continue
         q, k, v, cu, kw = case(q_lens, ctx_lens, gen)
         ref = ik.attention(q, k, v, cu, **kw)
         rows64 = ik.attention(q, k, v, cu, launch=ik.AttentionLaunch(rows=64), **kw)
         row = {"case": name, "default_ms": time_ms(lambda: ik.attention(q, k, v, cu, **kw))}
+        fa = (q, k, v, cu, kw["context_lens"], kw["block_tables"], BLOCK, kw["scale"])
+        row["default_mode_ms"] = time_ms(lambda: flash_prefill.paged_prefill(*fa))
         for split in (False, True):
             for launch in LAUNCHES:
                 key = (f"{'chunk' if split else 'tile'}_r{launch.rows}x{launch.subtiles}w{launch.num_warps}"
-                       f"s{launch.num_stages}")  # fmt: skip
+                       f"s{launch.num_stages}{'' if launch.longest_first else '-inorder'}"
+                       f"{'' if launch.unmasked_full_chunks else '-masked'}")  # fmt: skip
                 out = ik.attention(q, k, v, cu, split=split, launch=launch, **kw)
                 row[f"{key}_ms"] = time_ms(lambda: ik.attention(q, k, v, cu, split=split, launch=launch, **kw))
                 row[f"{key}_same_bits"] = bool(torch.equal(out, rows64))
                 row[f"{key}_default_bits"] = bool(torch.equal(out, ref))
-        best = min((v, key) for key, v in row.items() if key.endswith("_ms"))
+        best = min((v, key) for key, v in row.items() if key.endswith("_ms") and key != "default_mode_ms")
         differ = [key[: -len("_same_bits")] for key, v in row.items() if key.endswith("_same_bits") and not v]
         same = "yes" if not differ else f"no ({', '.join(differ)})"
         print(f"{name:22s} default {row['default_ms']:.4f} best {best[0]:.4f} {best[1]} bits as the 64-row "
