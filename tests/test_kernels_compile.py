@@ -400,7 +400,6 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
                 CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True, SUB=1)  # fmt: skip
     launch = ik.AttentionLaunch()
-    meta |= dict(LONGEST_FIRST=launch.longest_first, UNMASKED=launch.unmasked_full_chunks)
     fn = ik._invariant_attention_kernel
 
     def compiled(index="*i32", **over):
@@ -430,8 +429,7 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
             assert spill_bytes(kernel) in (0, None), (rows, sub, warps, split_k, spill_bytes(kernel))
     fn = ik._merge_chunks_kernel
     for sub in (1, 4) if paged and group == 4 else (1,):
-        merge_meta = {k: v for k, v in (meta | dict(SUB=sub)).items() if k in fn.arg_names}
-        kernel = compile_kernel(fn, types_of(fn), merge_meta, num_warps=4)
+        kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub), num_warps=4)
         assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 

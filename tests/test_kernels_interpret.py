@@ -212,11 +212,6 @@ def _check_invariant_kernels() -> None:
                     launch = invariant_kernels.AttentionLaunch(rows=rows, subtiles=sub)
                     got_sub = invariant_kernels.attention(q, k_cache, v_cache, cu, split=split, launch=launch, **paged)
                     assert torch.equal(got_sub, one), (rows, sub, split)
-            # every chunk through the causal mask, tiles launched in order: the same bits
-            plain = invariant_kernels.AttentionLaunch(longest_first=False, unmasked_full_chunks=False)
-            for split in (False, True):
-                got_plain = invariant_kernels.attention(q, k_cache, v_cache, cu, split=split, launch=plain, **paged)
-                assert torch.equal(got_plain, got), split
         # int64 offsets and lengths, read as they are; rows padded after the last sequence's come back zero (the
         # output is allocated empty: deterministic mode fills it with NaN first)
         padded_q = torch.cat([q, q[:5]])

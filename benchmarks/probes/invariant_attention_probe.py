@@ -2,10 +2,8 @@
 over a paged pool whose block tables are as wide as the engine's (max_model_len 8192): decode steps of B sequences at
 context 1024, a prefill of 2048 tokens and a mixed step, one program per tile against one per key chunk, under
 several rows per product / products per program / warps / pipeline depths; whether each plan gives the bits of one
-64-row product a program (a product under 64 rows runs on mma.sync instead of wgmma), and the default plan's. Plans
-with tiles launched in order ("-inorder": the first tiles, the fewest keys, first) or every chunk through the causal
-mask ("-masked") beside the default's longest-first, unmasked-where-possible walk; and the default mode's attention
-(ops/flash_prefill.py's paged prefill, no invariance) as `default_mode_ms`.
+64-row product a program (a product under 64 rows runs on mma.sync instead of wgmma), and the default plan's; and the
+default mode's attention (ops/flash_prefill.py's paged prefill, no invariance) as `default_mode_ms`.
 
     python benchmarks/probes/invariant_attention_probe.py [--out DIR] [--cases prefill,mixed]
 """
@@ -28,8 +26,6 @@ LAUNCHES = [ik.AttentionLaunch(w, s, r, sub) for w, s, r, sub in ((4, 2, 64, 1),
                                                                  (8, 2, 128, 1), (4, 2, 16, 1), (8, 2, 16, 1),
                                                                  (4, 2, 16, 2), (4, 2, 16, 4), (8, 2, 16, 4),
                                                                  (4, 2, 32, 1))]  # fmt: skip
-LAUNCHES += [ik.AttentionLaunch(rows=r, longest_first=lf, unmasked_full_chunks=um) for r in (64, 16)
-             for lf, um in ((False, True), (True, False), (False, False))]  # fmt: skip
 
 
 def case(q_lens, ctx_lens, gen):
@@ -69,8 +65,7 @@ def main() -> None:
         for split in (False, True):
             for launch in LAUNCHES:
                 key = (f"{'chunk' if split else 'tile'}_r{launch.rows}x{launch.subtiles}w{launch.num_warps}"
-                       f"s{launch.num_stages}{'' if launch.longest_first else '-inorder'}"
-                       f"{'' if launch.unmasked_full_chunks else '-masked'}")  # fmt: skip
+                       f"s{launch.num_stages}")  # fmt: skip
                 out = ik.attention(q, k, v, cu, split=split, launch=launch, **kw)
                 row[f"{key}_ms"] = time_ms(lambda: ik.attention(q, k, v, cu, split=split, launch=launch, **kw))
                 row[f"{key}_same_bits"] = bool(torch.equal(out, rows64))

@@ -27,9 +27,7 @@ query position. Each chunk's softmax state is computed on its own (scores throug
 max and exp in fp32; the exps' sum and the exp-weighted values through tl.dot, so that no sum's order follows the
 tile's rows or warps) and merged into the row's running state in key order (_merge_state). A chunk wholly past a row's
 position has the empty state, whose merge changes nothing, so a row's result does not depend on which tile it is in,
-how many tokens or rows the tile holds, or whether the step is a prefill, a chunk or a decode. The chunks that every
-row of the tile sees (wholly at or before its first query position) skip the mask, which would keep every score as it
-is; the tiles with the most keys (a sequence's last) are launched first. Where (tiles x kv
+how many tokens or rows the tile holds, or whether the step is a prefill, a chunk or a decode. Where (tiles x kv
 heads) programs would not fill the GPU (decodes of few sequences), one program per (tile, kv head, chunk) writes its
 chunk's state and a second kernel merges them in the same order: the same bits, more programs.
 
@@ -78,10 +76,6 @@ class AttentionLaunch:
     num_stages: int = 2
     rows: int = ATTENTION_ROWS
     subtiles: int = 1
-    # a sequence's last tiles (the most keys) launched first, so that the last wave holds short tiles
-    longest_first: bool = True
-    # the chunks every row of the tile sees wholly walked without the causal mask (where(True, s, -inf) is s)
-    unmasked_full_chunks: bool = True
 
 
 def launch_for(num_tokens: int, num_seqs: int, group_pad: int) -> AttentionLaunch:
@@ -496,12 +490,16 @@ if triton is not None:
         return tl.load(ptr + row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
 
     @triton.jit
-    def _chunk_scores(q, pos, k, t, t_ok, scale, MASKED: tl.constexpr = True):
+    def _chunk_scores(q, pos, k, t, t_ok, scale):
         """The rows' scores over one chunk's keys, as (max, exp(score - max)); a row that sees none of them gets
-        (-inf, 0). The chunk's state is (max, sum of exp, exp @ V). MASKED False: every row sees every key."""
+        (-inf, 0). The chunk's state is (max, sum of exp, exp @ V)."""
         s = tl.dot(q, tl.trans(k)) * scale
-        if MASKED:
-            s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+        # every chunk through the mask, those every row sees too: without the select between them, the compiler fuses
+        # the scale's multiply and the max's subtraction into one FMA (fma.rn.f32 in the PTX for sm_90a), and a row's
+        # bits would follow whether its tile saw the chunk whole (a walk without the mask over such chunks gave other
+        # bits on one H100, and no speed: benchmarks/results/2026-12-06/probes/
+        # invariant_attention_probe-llama3-8b-1xH100-4340690.json, plans "-masked" against the others)
+        s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
         m = tl.max(s, 1)
         return m, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
 
@@ -559,52 +557,18 @@ if triton is not None:
         return m, l_a * wa + l_b * wb, acc_a * wa[:, None] + acc_b * wb[:, None]
 
     @triton.jit
-    def _walk_chunks(c_lo, c_hi, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, stride_ks, stride_kh, stride_vs,
-                     stride_vh, stride_tb, block_size, scale, ones, q0, pos0, m0, l0, a0, q1, pos1, m1, l1, a1, q2,
-                     pos2, m2, l2, a2, q3, pos3, m3, l3, a3, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                     PAGED: tl.constexpr, OFF64: tl.constexpr, SUB: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-        """Key chunks c_lo..c_hi merged into the SUB sub-tiles' states in key order (sub-tiles past SUB: unused)."""
-        for c0 in range(c_lo, c_hi, CHUNK):
-            k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh,
-                                                stride_vs, stride_vh, stride_tb, block_size, CHUNK,
-                                                PAGED, OFF64)  # fmt: skip
-            # K, then V: never both in registers
-            k = _load_rows(k_ptr, k_row, t_ok, HEAD_DIM)
-            m_c0, p0 = _chunk_scores(q0, pos0, k, t, t_ok, scale, MASKED)
-            if SUB >= 2:
-                m_c1, p1 = _chunk_scores(q1, pos1, k, t, t_ok, scale, MASKED)
-            if SUB >= 4:
-                m_c2, p2 = _chunk_scores(q2, pos2, k, t, t_ok, scale, MASKED)
-                m_c3, p3 = _chunk_scores(q3, pos3, k, t, t_ok, scale, MASKED)
-            v = _load_rows(v_ptr, v_row, t_ok, HEAD_DIM)
-            l_c0, a_c0 = _chunk_values(p0, v, ones)
-            m0, l0, a0 = _merge_state(m0, l0, a0, m_c0, l_c0, a_c0)
-            if SUB >= 2:
-                l_c1, a_c1 = _chunk_values(p1, v, ones)
-                m1, l1, a1 = _merge_state(m1, l1, a1, m_c1, l_c1, a_c1)
-            if SUB >= 4:
-                l_c2, a_c2 = _chunk_values(p2, v, ones)
-                m2, l2, a2 = _merge_state(m2, l2, a2, m_c2, l_c2, a_c2)
-                l_c3, a_c3 = _chunk_values(p3, v, ones)
-                m3, l3, a3 = _merge_state(m3, l3, a3, m_c3, l_c3, a_c3)
-        return m0, l0, a0, m1, l1, a1, m2, l2, a2, m3, l3, a3
-
-    @triton.jit
     def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tables_ptr,
                                     num_seqs, num_tokens, stride_qm, stride_qh, stride_ks, stride_kh, stride_vs,
                                     stride_vh, stride_om, stride_oh, stride_tb, block_size, scale,
                                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                                     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
                                     SPLIT_K: tl.constexpr, SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr,
-                                    SUB: tl.constexpr = 1, OFF64: tl.constexpr = True,
-                                    LONGEST_FIRST: tl.constexpr = False, UNMASKED: tl.constexpr = False):  # fmt: skip
+                                    SUB: tl.constexpr = 1, OFF64: tl.constexpr = True):  # fmt: skip
         """One program per (tile, kv head), merging the tile's key chunks' states in key order (SPLIT_K False); or one
         per (tile, kv head, chunk), writing the chunk's state to the workspace for _merge_chunks_kernel (SPLIT_K
         True). A tile is SUB sub-tiles of TOKENS tokens, each its own product over the chunk's K/V (loaded once)."""
         pdl.wait_and_release(PDL)  # the offsets, q and the new K/V may be the kernels' just before
         tile = tl.program_id(0)
-        if LONGEST_FIRST:  # blocks are launched in program order: the last tiles first, the programs past them last
-            tile = tl.num_programs(0) - 1 - tile
         kvh = tl.program_id(1)
         seq, first = _seq_of_tile(tile, cu_ptr, num_seqs, SUB * TOKENS, SEQ_BLOCK)
         if seq >= num_seqs:
@@ -635,26 +599,35 @@ if triton is not None:
         m0 = tl.full([TOKENS * GROUP_PAD], float("-inf"), tl.float32)
         l0 = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
         a0 = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
-        m1, l1, a1 = m0, l0, a0  # the sub-tiles' past SUB: placeholders, never read
-        m2, l2, a2 = m0, l0, a0
-        m3, l3, a3 = m0, l0, a0
-        if SUB < 2:
-            q1, pos1 = q0, pos0
-        if SUB < 4:
-            q2, pos2 = q0, pos0
-            q3, pos3 = q0, pos0
+        if SUB >= 2:
+            m1, l1, a1 = m0, l0, a0
+        if SUB >= 4:
+            m2, l2, a2 = m0, l0, a0
+            m3, l3, a3 = m0, l0, a0
         ones = ((tl.arange(0, CHUNK)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)).to(v_ptr.dtype.element_ty)
-        c_mid = c_lo
-        if UNMASKED:  # chunks wholly at or before the tile's first query position: seen by every row
-            c_mid = tl.minimum(tl.maximum((kv_len - num_q + t0 + 1) // CHUNK * CHUNK, c_lo), c_hi)
-            m0, l0, a0, m1, l1, a1, m2, l2, a2, m3, l3, a3 = _walk_chunks(
-                c_lo, c_mid, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, stride_ks, stride_kh, stride_vs,
-                stride_vh, stride_tb, block_size, scale, ones, q0, pos0, m0, l0, a0, q1, pos1, m1, l1, a1, q2, pos2,
-                m2, l2, a2, q3, pos3, m3, l3, a3, HEAD_DIM, CHUNK, PAGED, OFF64, SUB, False)  # fmt: skip
-        m0, l0, a0, m1, l1, a1, m2, l2, a2, m3, l3, a3 = _walk_chunks(
-            c_mid, c_hi, k_ptr, v_ptr, tables_ptr, seq, kvh, q_start, kv_len, stride_ks, stride_kh, stride_vs,
-            stride_vh, stride_tb, block_size, scale, ones, q0, pos0, m0, l0, a0, q1, pos1, m1, l1, a1, q2, pos2, m2,
-            l2, a2, q3, pos3, m3, l3, a3, HEAD_DIM, CHUNK, PAGED, OFF64, SUB, True)  # fmt: skip
+        for c0 in range(c_lo, c_hi, CHUNK):
+            k_row, v_row, t, t_ok = _chunk_rows(tables_ptr, seq, kvh, q_start, kv_len, c0, stride_ks, stride_kh,
+                                                stride_vs, stride_vh, stride_tb, block_size, CHUNK,
+                                                PAGED, OFF64)  # fmt: skip
+            # K, then V: never both in registers
+            k = _load_rows(k_ptr, k_row, t_ok, HEAD_DIM)
+            m_c0, p0 = _chunk_scores(q0, pos0, k, t, t_ok, scale)
+            if SUB >= 2:
+                m_c1, p1 = _chunk_scores(q1, pos1, k, t, t_ok, scale)
+            if SUB >= 4:
+                m_c2, p2 = _chunk_scores(q2, pos2, k, t, t_ok, scale)
+                m_c3, p3 = _chunk_scores(q3, pos3, k, t, t_ok, scale)
+            v = _load_rows(v_ptr, v_row, t_ok, HEAD_DIM)
+            l_c0, a_c0 = _chunk_values(p0, v, ones)
+            m0, l0, a0 = _merge_state(m0, l0, a0, m_c0, l_c0, a_c0)
+            if SUB >= 2:
+                l_c1, a_c1 = _chunk_values(p1, v, ones)
+                m1, l1, a1 = _merge_state(m1, l1, a1, m_c1, l_c1, a_c1)
+            if SUB >= 4:
+                l_c2, a_c2 = _chunk_values(p2, v, ones)
+                m2, l2, a2 = _merge_state(m2, l2, a2, m_c2, l_c2, a_c2)
+                l_c3, a_c3 = _chunk_values(p3, v, ones)
+                m3, l3, a3 = _merge_state(m3, l3, a3, m_c3, l_c3, a_c3)
         _store(o_ptr, ws_ml_ptr, ws_acc_ptr, rows0, heads0, ok0, m0, l0, a0, num_tokens, stride_om, stride_oh,
                GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
         if SUB >= 2:
@@ -900,8 +873,7 @@ def attention(
     _invariant_attention_kernel[(grid_tiles, num_kv, chunks)](
         q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, num_seqs, num_tokens, q_MHD.stride(0), q_MHD.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
-        float(scale), **meta, SPLIT_K=chunks > 1, OFF64=off64, LONGEST_FIRST=lp.longest_first,
-        UNMASKED=lp.unmasked_full_chunks, num_warps=lp.num_warps, num_stages=lp.num_stages,
+        float(scale), **meta, SPLIT_K=chunks > 1, OFF64=off64, num_warps=lp.num_warps, num_stages=lp.num_stages,
         launch_pdl=on,
     )  # fmt: skip
     if chunks > 1:
