@@ -1,9 +1,9 @@
 """Where an engine step's GPU time goes, default mode against --invariant batch: llama3-8b's first layers (random
-weights), decode steps of B sequences at context 1024 and a prefill of 2048 tokens, run eagerly through the compiled
-model (no CUDA graphs: the kernels are the same) under torch.profiler; per step, each kernel's GPU time per call,
-largest first, and the totals.
+weights), decode steps of B sequences at context 1024, a prefill of 2048 tokens and a mixed step (64 decodes and a
+fresh chunk of 512 tokens), run eagerly through the compiled model (no CUDA graphs: the kernels are the same) under
+torch.profiler; per step, each kernel's GPU time per call, largest first, and the totals.
 
-    python benchmarks/probes/invariant_step_profile.py [--num-layers 4] [--out DIR]
+    python benchmarks/probes/invariant_step_profile.py [--num-layers 4] [--out DIR] [--steps prefill,mixed]
 """
 
 import argparse
@@ -39,9 +39,12 @@ def main() -> None:
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--out", default=".")
+    p.add_argument("--steps", default="", help="comma-separated words: the steps whose name holds one (all if none)")
     args = p.parse_args()
     steps = {"decode b1": (1, 1024, 0), "decode b64": (64, 1024, 0), "decode b256": (256, 1024, 0),
-             "prefill 2048": (0, 0, 2048)}  # fmt: skip
+             "prefill 2048": (0, 0, 2048), "mixed 64x1024 + 512": (64, 1024, 512)}  # fmt: skip
+    words = [w for w in args.steps.split(",") if w]
+    steps = {name: shape for name, shape in steps.items() if not words or any(w in name for w in words)}
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "num_layers": args.num_layers}
     for mode in (None, "batch"):
         engine = LLMEngine(TPContext.single("cuda"), args.model, num_layers=args.num_layers, max_num_seqs=256,
