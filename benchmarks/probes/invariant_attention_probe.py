@@ -3,7 +3,8 @@ over a paged pool whose block tables are as wide as the engine's (max_model_len 
 context 1024, a prefill of 2048 tokens and a mixed step, one program per tile against one per key chunk, under
 several rows per product / products per program / warps / pipeline depths; whether each plan gives the bits of one
 64-row product a program (a product under 64 rows runs on mma.sync instead of wgmma), and the default plan's; and the
-default mode's attention (ops/flash_prefill.py's paged prefill, no invariance) as `default_mode_ms`.
+default mode's paged prefill kernel (ops/flash_prefill.py, no invariance: what that mode runs for steps with cached
+context; a fresh prefill runs its packed kernel, which is faster) as `default_mode_ms`.
 
     python benchmarks/probes/invariant_attention_probe.py [--out DIR] [--cases prefill,mixed]
 """

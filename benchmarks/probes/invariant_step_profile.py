@@ -1,7 +1,9 @@
 """Where an engine step's GPU time goes, default mode against --invariant batch: llama3-8b's first layers (random
 weights), decode steps of B sequences at context 1024, a prefill of 2048 tokens and a mixed step (64 decodes and a
 fresh chunk of 512 tokens), run eagerly through the compiled model (no CUDA graphs: the kernels are the same) under
-torch.profiler; per step, each kernel's GPU time per call, largest first, and the totals.
+torch.profiler; per step, each kernel's GPU time per call, largest first, and the totals. Run it with TPWEAVE_PDL=0
+for each kernel's own time: with programmatic dependent launch a kernel starts early and counts its wait for the one
+before it (the invariant kernels release their dependents at once).
 
     python benchmarks/probes/invariant_step_profile.py [--num-layers 4] [--out DIR] [--steps prefill,mixed]
 """
