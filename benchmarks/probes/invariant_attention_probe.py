@@ -4,7 +4,9 @@ context 1024, a prefill of 2048 tokens and a mixed step, one program per tile ag
 several rows per product / products per program / warps / pipeline depths; whether each plan gives the bits of one
 64-row product a program (a product under 64 rows runs on mma.sync instead of wgmma), and the default plan's; and the
 default mode's paged prefill kernel (ops/flash_prefill.py, no invariance: what that mode runs for steps with cached
-context; a fresh prefill runs its packed kernel, which is faster) as `default_mode_ms`.
+context) as `default_mode_ms`. For fresh sequences (the prefill) also the invariant kernel over their K/V packed as
+the step made them instead of read from the pool (`packed_ms`, and whether it gives the pool's bits) and the default
+mode's kernel for a fresh prefill on them (`default_mode_packed_ms`).
 
     python benchmarks/probes/invariant_attention_probe.py [--out DIR] [--cases prefill,mixed]
 """
@@ -63,6 +65,15 @@ def main() -> None:
         row = {"case": name, "default_ms": time_ms(lambda: ik.attention(q, k, v, cu, **kw))}
         fa = (q, k, v, cu, kw["context_lens"], kw["block_tables"], BLOCK, kw["scale"])
         row["default_mode_ms"] = time_ms(lambda: flash_prefill.paged_prefill(*fa))
+        if q_lens == ctx_lens:  # fresh sequences: their K/V packed as the step made them, not read from the pool
+            pos = torch.cat([torch.arange(c, device="cuda") for c in ctx_lens])
+            seq = torch.cat([torch.full((c,), b, device="cuda") for b, c in enumerate(ctx_lens)])
+            slots = kw["block_tables"][seq, pos // BLOCK].long() * BLOCK + pos % BLOCK
+            kp, vp = k[slots], v[slots]
+            packed = ik.attention(q, kp, vp, cu, scale=kw["scale"])
+            row["packed_ms"] = time_ms(lambda: ik.attention(q, kp, vp, cu, scale=kw["scale"]))
+            row["packed_default_bits"] = bool(torch.equal(packed, ref))
+            row["default_mode_packed_ms"] = time_ms(lambda: flash_prefill.flash_prefill(q, kp, vp, cu, kw["scale"]))
         for split in (False, True):
             for launch in LAUNCHES:
                 key = (f"{'chunk' if split else 'tile'}_r{launch.rows}x{launch.subtiles}w{launch.num_warps}"
@@ -71,7 +82,7 @@ def main() -> None:
                 row[f"{key}_ms"] = time_ms(lambda: ik.attention(q, k, v, cu, split=split, launch=launch, **kw))
                 row[f"{key}_same_bits"] = bool(torch.equal(out, rows64))
                 row[f"{key}_default_bits"] = bool(torch.equal(out, ref))
-        best = min((v, key) for key, v in row.items() if key.endswith("_ms") and key != "default_mode_ms")
+        best = min((v, key) for key, v in row.items() if key.endswith("_ms") and not key.startswith("default_mode"))
         differ = [key[: -len("_same_bits")] for key, v in row.items() if key.endswith("_same_bits") and not v]
         same = "yes" if not differ else f"no ({', '.join(differ)})"
         print(f"{name:22s} default {row['default_ms']:.4f} best {best[0]:.4f} {best[1]} bits as the 64-row "
