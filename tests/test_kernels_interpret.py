@@ -257,21 +257,17 @@ def _check_invariant_kernels() -> None:
     assert torch.equal(invariant_kernels.attention(q, k, v, cu, scale=0.2, split=True), got)
     four = invariant_kernels.AttentionLaunch(subtiles=4)
     assert torch.equal(invariant_kernels.attention(q, k, v, cu, scale=0.2, split=False, launch=four), got)
-    # the same K/V in a page pool (blocks of 16 in shuffled order), read through the block tables: the same bits
-    # (a model compiled alone reads its K/V packed, the engine's reads them from its pool)
-    bs, width = 16, 5
-    tables = torch.randperm(len(lens) * width, generator=gen).to(torch.int32).view(len(lens), width)
-    pos = torch.cat([torch.arange(n) for n in lens])
-    seq = torch.cat([torch.full((n,), b) for b, n in enumerate(lens)])
-    slots = tables[seq, pos // bs].long() * bs + pos % bs
-    k_cache = k.new_zeros(len(lens) * width * bs, *k.shape[1:])
-    v_cache = torch.zeros_like(k_cache)
-    k_cache[slots], v_cache[slots] = k, v
-    ctx = torch.tensor(lens, dtype=torch.int32)
+    # fresh sequences' K/V packed, and the same K/V written to a page pool (blocks scattered, random values around
+    # them) read through the block tables: the same bits (a model compiled alone reads them packed, the engine from
+    # its pool)
+    q, k_new, v_new, k_cache, v_cache, slots, cu, ctx, tables, bs, _ = _paged_case(
+        lens, lens, heads=8, kv_heads=2, head_dim=32, num_blocks=64, device="cpu", dtype=torch.float16)  # fmt: skip
+    k_cache[slots], v_cache[slots] = k_new, v_new
+    packed = invariant_kernels.attention(q, k_new, v_new, cu, scale=0.2, split=False)
     for split in (False, True):
         paged = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
                                             block_size=bs, scale=0.2, split=split)  # fmt: skip
-        assert torch.equal(paged, got), split
+        assert torch.equal(paged, packed), split
 
 
 def test_invariant_kernels_in_the_interpreter():
