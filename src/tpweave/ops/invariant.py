@@ -249,8 +249,10 @@ def invariant_paged_attention(
     fresh: Tensor | None = None,
 ) -> Tensor:
     """tpweave::paged_attention's contract (ops/attention.py), batch-invariant: the new K/V written to the pool, then
-    every sequence's queries over its context read from the pool (`fresh` is not used: a prefill reads what a later
-    decode of the same sequence will read)."""
+    every sequence's queries over its context. A step of fresh sequences (`fresh`) whose pool holds q's dtype reads
+    the new K/V packed, as the step made them: they are the values the pool holds, and the kernel walks packed and
+    paged keys in the same tiles and chunks, so a sequence gets the same bits fresh or beside others with context;
+    other steps read the pool."""
     if invariant_kernels.attention_supported(q_MHD, k_cache):
         if cos_sin is not None:  # RoPE and the KV write in one kernel (row-wise: each token alone)
             q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions, store=(v_MKD, k_cache, v_cache,
@@ -258,6 +260,8 @@ def invariant_paged_attention(
         else:
             k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
             v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
+        if fresh is not None and bool(fresh) and k_cache.dtype == q_MHD.dtype:
+            return invariant_kernels.attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale=scale)
         return invariant_kernels.attention(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens=context_lens,
                                            block_tables=block_tables, block_size=block_size, scale=scale)  # fmt: skip
     if cos_sin is not None:
