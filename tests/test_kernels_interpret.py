@@ -268,12 +268,34 @@ def _check_invariant_kernels() -> None:
         paged = invariant_kernels.attention(q, k_cache, v_cache, cu, context_lens=ctx, block_tables=tables,
                                             block_size=bs, scale=0.2, split=split)  # fmt: skip
         assert torch.equal(paged, packed), split
+    # the invariant paged op (RoPE and the KV write inside it) on a step of fresh sequences: read packed (fresh) and
+    # through the pool (as beside a sequence with context), the same bits and the same pool
+    from tpweave.models.layers import rope_inv_freq
+    from tpweave.ops import invariant
+
+    invariant_kernels.attention_supported = lambda q, k: k.dtype == q.dtype  # the interpreter runs CPU tensors
+    reads, kernel = [], invariant_kernels.attention
+    invariant_kernels.attention = lambda *a, **kw: reads.append(kw.get("block_tables") is None) or kernel(*a, **kw)
+    qkv = torch.cat([q, k_new, v_new], dim=1)  # strided views, as the model's QKV split gives
+    q, k_new, v_new = qkv.split([8, 2, 2], dim=1)
+    angles = torch.outer(torch.arange(128, dtype=torch.float32), rope_inv_freq(32, 500000.0, None))
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    outs = []
+    for fresh in (True, False):
+        pool = k_cache.clone(), v_cache.clone()
+        out = invariant.invariant_paged_attention(q, k_new, v_new, *pool, slots, cu, ctx, tables, bs, 0.2, cos_sin,
+                                                  positions, torch.tensor(fresh))  # fmt: skip
+        outs.append((out, *pool))
+    assert reads == [True, False], reads  # packed, then through the block tables
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_invariant_kernels_in_the_interpreter():
     """The batch-invariant Triton matmul and attention (ops/invariant_kernels.py) == fp32 references, through their
     tiling and masking (K tails, tiles across tokens and GQA rows, chunks of cached context, empty sequences), and a
-    row alone == the same row among others; the "tp" level's tree product, its ranks' subtrees == the whole tree."""
+    row alone == the same row among others; K/V packed == the same K/V through a page pool, the paged op's fresh
+    steps included; the "tp" level's tree product, its ranks' subtrees == the whole tree."""
     _run_in_interpreter("_check_invariant_kernels")
 
 
