@@ -16,7 +16,8 @@ the only one (decode): its sequence's keys in chunks of KV_CHUNK positions, in o
 values through fixed-shape batched matmuls (heads x ROW_TILE queries x KV_CHUNK keys), an online softmax in fp32
 merged chunk by chunk. A chunk wholly past a query's position adds exact zeros (its running max and sums unchanged),
 so how many chunks its tile walks does not change it. The paged form writes the new K/V into the page pool first and
-always reads the context from the pool, so a prefill and a later decode read the same stored values.
+reads the context from the pool, so a prefill and a later decode read the same stored values (the Triton path reads
+a step of fresh sequences' new K/V packed where the pool holds q's dtype: the values stored, in the same chunks).
 
 These are the CPU path, and the CUDA path where ops/invariant_kernels.py's Triton kernels do not take the inputs
 (e.g. fp32, a head dim that is not a power of 2). Where they do, Triton launches (one per matmul, one or two per
