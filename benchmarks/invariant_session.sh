@@ -36,6 +36,7 @@ for step in $STEPS; do
             timeout 240 python -m tpweave bench engine --model "$MODEL" -tp 1 --num-iters 48 "${flags[@]}" \
                 --output-dir "$R" --name "engine-$run" > "$R/engine-$run.log" 2>&1
             echo "rc=$?" >> "$R/engine-$run.log"
+            pack  # each run's files kept if the device call is cut before the next ends
         done
         python benchmarks/probes/invariant_cost.py --default "${defaults[@]}" --invariant "${invariants[@]}" \
             --out "$R/invariant-cost.json" > "$R/invariant-cost.log" 2>&1 ;;
