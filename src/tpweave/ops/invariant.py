@@ -261,7 +261,7 @@ def invariant_paged_attention(
         else:
             k_cache.index_copy_(0, slot_mapping, k_MKD.to(k_cache.dtype))
             v_cache.index_copy_(0, slot_mapping, v_MKD.to(v_cache.dtype))
-        if fresh is not None and bool(fresh) and k_cache.dtype == q_MHD.dtype:
+        if fresh is not None and bool(fresh):  # attention_supported: the pool holds q's dtype
             return invariant_kernels.attention(q_MHD, k_MKD, v_MKD, cu_seqlens_q, scale=scale)
         return invariant_kernels.attention(q_MHD, k_cache, v_cache, cu_seqlens_q, context_lens=context_lens,
                                            block_tables=block_tables, block_size=block_size, scale=scale)  # fmt: skip
