@@ -120,6 +120,32 @@ def test_invariant_attention_is_the_same_in_prefill_chunks_decode_and_packing(dt
         assert torch.equal(torch.cat(outs), whole), steps
 
 
+@pytest.mark.parametrize("op", ["paged_attention", "invariant_paged_attention"])
+def test_paged_attention_ops_refuse_bad_optional_arguments(op):
+    """Both paged ops (the default and its invariant swap) name the argument at fault: `fresh` must be one bool
+    (read on the host), and RoPE's cos_sin and positions come together."""
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    pool = (torch.zeros(16, 1, 8), torch.zeros(16, 1, 8))
+    args = (
+        q,
+        k,
+        k,
+        *pool,
+        torch.arange(4),
+        torch.tensor([0, 4]),
+        torch.tensor([4]),
+        torch.zeros(1, 1, dtype=torch.int32),
+        16,
+        0.3,
+    )
+    call = getattr(torch.ops.tpweave, op)
+    with pytest.raises(ValueError, match=f"{op}: fresh must be one bool on the CPU, got 2"):
+        call(*args, None, None, torch.tensor([True, True]))
+    with pytest.raises(ValueError, match=f"{op}: cos_sin and positions go together"):
+        call(*args, torch.randn(8, 8), None, None)
+    assert torch.equal(call(*args, None, None, torch.tensor(True)), call(*args, None, None, torch.tensor(False)))
+
+
 def test_compiled_model_logits_do_not_depend_on_the_batch():
     """Our Llama compiled with invariant="batch": a sequence's logits alone (M = 1 to 37) and packed with others at M
     from 6 to 1051, at several places; the report names what was swapped."""

@@ -55,6 +55,15 @@ def _(q_MHD, k_MKD, v_MKD, cu_seqlens, scale):
     return q_MHD.new_empty(q_MHD.shape)  # contiguous, whatever q's strides
 
 
+def check_paged_args(op: str, cos_sin: Tensor | None, positions: Tensor | None, fresh: Tensor | None) -> None:
+    """The paged attention ops' optional arguments: RoPE's pair together or not at all, `fresh` one bool on the CPU
+    (read without a device sync)."""
+    if (cos_sin is None) != (positions is None):
+        raise ValueError(f"{op}: cos_sin and positions go together (RoPE inside the op) or not at all")
+    if fresh is not None and (fresh.device.type != "cpu" or fresh.numel() != 1):
+        raise ValueError(f"{op}: fresh must be one bool on the CPU, got {fresh.numel()} on {fresh.device}")
+
+
 @torch.library.custom_op("tpweave::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(
     q_MHD: Tensor,
@@ -83,10 +92,7 @@ def paged_attention(
     equal the new tokens' counts): attention then runs over the new K/V alone, with no gather from the pool.
     """
     num_tokens, num_seqs = q_MHD.shape[0], block_tables.shape[0]
-    if (cos_sin is None) != (positions is None):
-        raise ValueError("paged_attention: cos_sin and positions go together (RoPE inside the op) or not at all")
-    if fresh is not None and (fresh.device.type != "cpu" or fresh.numel() != 1):
-        raise ValueError(f"paged_attention: fresh must be one bool on the CPU, got {fresh.numel()} on {fresh.device}")
+    check_paged_args("paged_attention", cos_sin, positions, fresh)
     if paged_decode.supported(q_MHD, k_cache) and num_tokens == num_seqs:
         # one new token per sequence (shapes only, no host sync): KV write and attention in the Triton kernel
         if cos_sin is not None:

@@ -254,6 +254,7 @@ def invariant_paged_attention(
     the new K/V packed, as the step made them: they are the values the pool holds, and the kernel walks packed and
     paged keys in the same tiles and chunks, so a sequence gets the same bits fresh or beside others with context;
     other steps read the pool."""
+    check_paged_args("invariant_paged_attention", cos_sin, positions, fresh)
     if invariant_kernels.attention_supported(q_MHD, k_cache):
         if cos_sin is not None:  # RoPE and the KV write in one kernel (row-wise: each token alone)
             q_MHD, k_MKD = rope.rotate_qk(q_MHD, k_MKD, cos_sin, positions, store=(v_MKD, k_cache, v_cache,
