@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from tpweave.ops import invariant_kernels, rope
+from tpweave.ops.attention import check_paged_args
 from tpweave.ops.collectives import all_gather_dim0, shard_rows, tree_sum
 
 ROW_TILE = 16  # rows per matmul call
