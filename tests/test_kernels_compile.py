@@ -429,7 +429,7 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
             assert spill_bytes(kernel) in (0, None), (rows, sub, warps, split_k, spill_bytes(kernel))
     fn = ik._merge_chunks_kernel
     for sub in (1, 4) if paged and group == 4 else (1,):
-        kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub), num_warps=4)
+        kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS), num_warps=4)
         assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 

@@ -64,6 +64,7 @@ ATTENTION_ROWS = 64  # query rows (tokens x padded q heads of one kv head) per a
 DECODE_ROWS = 16  # the same where a call's sequences hold few new tokens each: one mma.sync's M
 SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
 SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
+MERGE_COLUMNS = 32  # head dims per program of the split chunks' merge (head_dim / 32 programs per tile and kv head)
 
 
 @dataclass(frozen=True)
@@ -524,8 +525,8 @@ if triton is not None:
         return q, q_rows, heads, row_ok, pos
 
     @triton.jit
-    def _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM: tl.constexpr):
-        d = tl.arange(0, HEAD_DIM)
+    def _store_rows(o_ptr, q_rows, heads, row_ok, l_i, acc, d, stride_om, stride_oh):
+        """The rows' output at columns d (acc holds those columns)."""
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = o_ptr + q_rows[:, None] * stride_om + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -545,7 +546,7 @@ if triton is not None:
             at = (tl.program_id(2) * num_tokens + q_rows) * num_heads + heads
             tl.store(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
         else:
-            _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM)
+            _store_rows(o_ptr, q_rows, heads, row_ok, l_i, acc, tl.arange(0, HEAD_DIM), stride_om, stride_oh)
 
     @triton.jit
     def _merge_state(m_a, l_a, acc_a, m_b, l_b, acc_b):
@@ -640,12 +641,28 @@ if triton is not None:
                    GROUP, HEAD_DIM, SPLIT_K)  # fmt: skip
 
     @triton.jit
+    def _chunk_state(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
+                     HEAD_DIM: tl.constexpr):  # fmt: skip
+        """Chunk c's state (m, l, acc at columns d) from the workspace; from chunk n on, the empty state, whose merge
+        changes nothing."""
+        ok = row_ok & (c < n)
+        at = (c * 2 * num_tokens + q_rows) * num_heads + heads
+        m = tl.load(ws_ml_ptr + at, mask=ok, other=float("-inf"))
+        l = tl.load(ws_ml_ptr + at + num_tokens * num_heads, mask=ok, other=0.0)
+        at = (c * num_tokens + q_rows) * num_heads + heads
+        acc = tl.load(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        return m, l, acc
+
+    @triton.jit
     def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, num_seqs, num_tokens, stride_om,
                             stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
-                            SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1):  # fmt: skip
+                            SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1,
+                            D_BLOCK: tl.constexpr = 32):  # fmt: skip
         """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program (the
-        tile's SUB x TOKENS tokens at once: no product here)."""
+        tile's SUB x TOKENS tokens at once: no product here), D_BLOCK columns a program (a column's merge is its own:
+        m and l are each row's, recomputed alike in every program). Four chunks' loads are issued before their four
+        merges, in order: a decode's few programs wait on one memory latency per four chunks, not per chunk."""
         pdl.wait_and_release(PDL)  # the workspace is the kernel's just before
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -654,19 +671,26 @@ if triton is not None:
             return
         q_start, num_q, kv_len, t0, last = _tile_span(tile, first, seq, cu_ptr, ctx_ptr, SUB * TOKENS, PAGED)
         q_rows, heads, row_ok, _ = _rows(q_start, num_q, kv_len, t0, kvh, GROUP, GROUP_PAD, SUB * TOKENS)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
         num_heads = tl.num_programs(1) * GROUP
         m_i = tl.full([SUB * TOKENS * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([SUB * TOKENS * GROUP_PAD], tl.float32)
-        acc = tl.zeros([SUB * TOKENS * GROUP_PAD, HEAD_DIM], tl.float32)
-        for c in range(0, tl.cdiv(last, CHUNK)):
-            at = (c * 2 * num_tokens + q_rows) * num_heads + heads
-            m_s = tl.load(ws_ml_ptr + at, mask=row_ok, other=float("-inf"))
-            l_s = tl.load(ws_ml_ptr + at + num_tokens * num_heads, mask=row_ok, other=0.0)
-            at = (c * num_tokens + q_rows) * num_heads + heads
-            acc_s = tl.load(ws_acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_s, l_s, acc_s)
-        _store_rows(o_ptr, q_rows, heads, row_ok, m_i, l_i, acc, stride_om, stride_oh, HEAD_DIM)
+        acc = tl.zeros([SUB * TOKENS * GROUP_PAD, D_BLOCK], tl.float32)
+        n = tl.cdiv(last, CHUNK)
+        for c in range(0, n, 4):
+            m0, l0, a0 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
+                                      HEAD_DIM)  # fmt: skip
+            m1, l1, a1 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 1, n, q_rows, heads, row_ok, d, num_tokens,
+                                      num_heads, HEAD_DIM)  # fmt: skip
+            m2, l2, a2 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 2, n, q_rows, heads, row_ok, d, num_tokens,
+                                      num_heads, HEAD_DIM)  # fmt: skip
+            m3, l3, a3 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 3, n, q_rows, heads, row_ok, d, num_tokens,
+                                      num_heads, HEAD_DIM)  # fmt: skip
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m0, l0, a0)
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m1, l1, a1)
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m2, l2, a2)
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m3, l3, a3)
+        _store_rows(o_ptr, q_rows, heads, row_ok, l_i, acc, d, stride_om, stride_oh)
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
@@ -877,6 +901,9 @@ def attention(
         launch_pdl=on,
     )  # fmt: skip
     if chunks > 1:
-        _merge_chunks_kernel[(grid_tiles, num_kv)](out, ws_ml, ws_acc, cu, ctx, num_seqs, num_tokens, out.stride(0),
-                                                  out.stride(1), **meta, num_warps=4, launch_pdl=on)  # fmt: skip
+        d_block = min(head_dim, MERGE_COLUMNS)
+        _merge_chunks_kernel[(grid_tiles, num_kv, head_dim // d_block)](
+            out, ws_ml, ws_acc, cu, ctx, num_seqs, num_tokens, out.stride(0), out.stride(1), **meta, D_BLOCK=d_block,
+            num_warps=4, launch_pdl=on,
+        )  # fmt: skip
     return out
