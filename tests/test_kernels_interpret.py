@@ -325,7 +325,8 @@ def test_invariant_kernels_in_the_interpreter():
     """The batch-invariant Triton matmul and attention (ops/invariant_kernels.py) == fp32 references, through their
     tiling and masking (K tails, tiles across tokens and GQA rows, chunks of cached context, empty sequences), and a
     row alone == the same row among others; K/V packed == the same K/V through a page pool, the paged op's fresh
-    steps included; the "tp" level's tree product, its ranks' subtrees == the whole tree."""
+    steps included; the split chunks' merge folds in key order; the "tp" level's tree product, its ranks' subtrees ==
+    the whole tree."""
     _run_in_interpreter("_check_invariant_kernels")
 
 
