@@ -9,7 +9,8 @@
 # and carry .tpweave-manifest.json. Then from the repository root on the GPU box:
 #   bash benchmarks/invariant_session.sh [MODEL] [STEPS...]     (steps: tests cost attention matmul; default the
 #   first three; COST_RUNS, e.g. "default batch", names the cost step's runs in order: batch* in invariant mode;
-#   ATTENTION_CASES, e.g. "prefill,mixed", the attention probe's cases)
+#   ATTENTION_CASES, e.g. "prefill,mixed", the attention probe's cases; ATTENTION_LAYOUT=engine, its pool laid out as
+#   the engine's)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" TPWEAVE_CACHE_DIR="${TPWEAVE_CACHE_DIR:-/tmp/tpwcache}"
@@ -42,7 +43,7 @@ for step in $STEPS; do
             --out "$R/invariant-cost.json" > "$R/invariant-cost.log" 2>&1 ;;
     attention)
         (cd benchmarks/probes && timeout 240 python invariant_attention_probe.py --out "$R" \
-            --cases "${ATTENTION_CASES:-}") > "$R/attention.log" 2>&1
+            --cases "${ATTENTION_CASES:-}" --layout "${ATTENTION_LAYOUT:-scattered}") > "$R/attention.log" 2>&1
         echo "rc=$?" >> "$R/attention.log" ;;
     matmul)
         timeout "${MATMUL_TIMEOUT_S:-420}" python benchmarks/probes/invariant_mm_probe.py --out "$R" > "$R/matmul.log" 2>&1
