@@ -658,7 +658,7 @@ if triton is not None:
                             stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
                             SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1,
-                            D_BLOCK: tl.constexpr = 32):  # fmt: skip
+                            D_BLOCK: tl.constexpr = MERGE_COLUMNS):  # fmt: skip
         """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program (the
         tile's SUB x TOKENS tokens at once: no product here), D_BLOCK columns a program (a column's merge is its own:
         m and l are each row's, recomputed alike in every program). Four chunks' loads are issued before their four
