@@ -32,7 +32,8 @@ CASES = {"decode b1": ([1], [1024]), "decode b16": ([1] * 16, [1024] * 16), "dec
 LAUNCHES = [ik.AttentionLaunch(w, s, r, sub) for w, s, r, sub in ((4, 2, 64, 1), (8, 2, 64, 1), (8, 2, 64, 2),
                                                                  (8, 2, 128, 1), (4, 2, 16, 1), (8, 2, 16, 1),
                                                                  (4, 2, 16, 2), (4, 2, 16, 4), (8, 2, 16, 4),
-                                                                 (4, 2, 32, 1))]  # fmt: skip
+                                                                 (4, 2, 32, 1), (4, 1, 16, 1), (4, 3, 16, 1),
+                                                                 (2, 2, 16, 1))]  # fmt: skip
 
 
 def case(q_lens, ctx_lens, gen, *, layout="scattered", width=WIDTH):
