@@ -815,12 +815,14 @@ def _attention_bits_agree_on_the_gpu(launch, prefill_launch=None) -> None:
 @pytest.mark.gpu(gpus=1)
 def test_invariant_attention_gives_a_row_the_same_bits_under_every_plan_on_the_gpu():
     """Every call at 16, 32 or 128 rows a product (mma.sync below 64 rows, two warpgroups at 128), on 4 or 8 warps,
-    one or four products a program: a query's output the bits of the 64-row prefill's in a prefill, a chunk, a decode
-    and packed among others (the exps' sums on the tensor cores; tl.sum's order would follow the rows and warps)."""
-    from tpweave.ops.invariant_kernels import AttentionLaunch
+    one or four products a program, registers capped or not: a query's output the bits of the 64-row prefill's in a
+    prefill, a chunk, a decode and packed among others (the exps' sums on the tensor cores; tl.sum's order would
+    follow the rows and warps)."""
+    from tpweave.ops.invariant_kernels import DECODE_REGISTERS, AttentionLaunch
 
-    plans = (AttentionLaunch(rows=16), AttentionLaunch(rows=16, num_warps=8), AttentionLaunch(rows=32),
-             AttentionLaunch(rows=16, subtiles=4), AttentionLaunch(rows=128, num_warps=8))  # fmt: skip
+    plans = (AttentionLaunch(rows=16), AttentionLaunch(rows=16, max_registers=DECODE_REGISTERS),
+             AttentionLaunch(rows=16, num_warps=8), AttentionLaunch(rows=32), AttentionLaunch(rows=16, subtiles=4),
+             AttentionLaunch(rows=128, num_warps=8))  # fmt: skip
     for plan in plans:
         _attention_bits_agree_on_the_gpu(launch=plan, prefill_launch=AttentionLaunch(rows=64))
 

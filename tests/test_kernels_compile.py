@@ -24,10 +24,11 @@ PTR = {"bfloat16": "*bf16", "float32": "*fp32"}
 
 
 def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int = 3,
-                   aligned: tuple[str, ...] = ()):  # fmt: skip
+                   aligned: tuple[str, ...] = (), maxnreg: int | None = None):  # fmt: skip
     """The kernel compiled for sm_90a. arg_types: Triton type of every runtime argument ("*bf16", "i32", ...);
     aligned: the arguments a launch passes 16-byte aligned (pointers) or divisible by 16 (integers), which Triton
-    compiles a kernel of their own for (the one the GPU runs; without, the kernel for unaligned arguments)."""
+    compiles a kernel of their own for (the one the GPU runs; without, the kernel for unaligned arguments);
+    maxnreg: the launch's cap on registers per thread."""
     missing = set(fn.arg_names) - set(arg_types) - set(constexprs)
     assert not missing, f"arguments without a type: {missing}"
     signature = {name: arg_types.get(name, "constexpr") for name in fn.arg_names}
@@ -37,7 +38,8 @@ def compile_kernel(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps
         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
         attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned},
     )
-    return triton.compile(source, target=H100_H200, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(source, target=H100_H200, options=options)
 
 
 def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int = 3) -> str:
@@ -423,14 +425,16 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     if paged and group == 4:  # as launched (aligned pointers, strides and block size): 16-byte async copies of K/V
         aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
         calls = ((2048, 1), (576, 65), (256, 256), (1, 1))  # (tokens, sequences): a prefill, a mixed step, decodes
-        plans = {(lp.rows, lp.subtiles, lp.num_warps) for lp in (ik.launch_for(*c, group_pad) for c in calls)}
-        assert {rows for rows, _, _ in plans} == {ik.ATTENTION_ROWS, ik.DECODE_ROWS}
-        for (rows, sub, warps), split_k in itertools.product(plans, (False, True)):
-            over = dict(TOKENS=rows // group_pad, SUB=sub, SPLIT_K=split_k, OFF64=False)
-            kernel = compile_kernel(fn, types_of(fn), meta | over, num_warps=warps, num_stages=launch.num_stages,
-                                    aligned=aligned)  # fmt: skip
-            assert "cp.async.cg.shared.global" in kernel.asm["ptx"], (rows, sub, split_k)
-            assert spill_bytes(kernel) in (0, None), (rows, sub, warps, split_k, spill_bytes(kernel))
+        plans = {ik.launch_for(*c, group_pad) for c in calls}
+        assert {lp.rows for lp in plans} == {ik.ATTENTION_ROWS, ik.DECODE_ROWS}
+        for lp, split_k in itertools.product(plans, (False, True)):
+            over = dict(TOKENS=lp.rows // group_pad, SUB=lp.subtiles, SPLIT_K=split_k, OFF64=False)
+            kernel = compile_kernel(fn, types_of(fn), meta | over, num_warps=lp.num_warps, num_stages=lp.num_stages,
+                                    aligned=aligned, maxnreg=lp.max_registers)  # fmt: skip
+            assert "cp.async.cg.shared.global" in kernel.asm["ptx"], (lp, split_k)
+            assert spill_bytes(kernel) in (0, None), (lp, split_k, spill_bytes(kernel))
+            if lp.max_registers:  # the cap reaches ptxas (4 programs of 4 warps an SM: DECODE_REGISTERS)
+                assert f".maxnreg {lp.max_registers}" in kernel.asm["ptx"], lp
     fn = ik._merge_chunks_kernel
     for sub in (1, 4) if paged and group == 4 else (1,):
         kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS), num_warps=4)

@@ -65,18 +65,23 @@ DECODE_ROWS = 16  # the same where a call's sequences hold few new tokens each: 
 SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
 SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
 MERGE_COLUMNS = 32  # head dims per program of the split chunks' merge (head_dim / 32 programs per tile and kv head)
+# registers per thread of the 16-row plan: 4 programs of 4 warps an SM (ptxas takes 148 for llama3-8b's heads: 3),
+# so that a decode of 64 sequences (512 programs at 8 kv heads) runs in one wave of 132 SMs, not 1.3
+DECODE_REGISTERS = 128
 
 
 @dataclass(frozen=True)
 class AttentionLaunch:
     """The attention kernel's query rows per product (tokens x padded q heads of one kv head: wgmma from 64 rows,
     mma.sync below), products per program (`subtiles`: 1, 2 or 4, each over its own rows, all sharing each chunk's
-    K/V loads), warps and pipeline depth. None of them changes a row's bits (`_chunk_values`)."""
+    K/V loads), warps, pipeline depth and registers per thread (None: as many as ptxas uses). None of them changes
+    a row's bits (`_chunk_values`)."""
 
     num_warps: int = 4
     num_stages: int = 2
     rows: int = ATTENTION_ROWS
     subtiles: int = 1
+    max_registers: int | None = None
 
 
 def launch_for(num_tokens: int, num_seqs: int, group_pad: int) -> AttentionLaunch:
@@ -89,7 +94,7 @@ def launch_for(num_tokens: int, num_seqs: int, group_pad: int) -> AttentionLaunc
     exps' sums moved to the tensor cores, and -1xH100-3bc1382.json, after)."""
     if num_tokens >= max(1, ATTENTION_ROWS // group_pad) * num_seqs:
         return AttentionLaunch()
-    return AttentionLaunch(rows=max(DECODE_ROWS, group_pad))
+    return AttentionLaunch(rows=max(DECODE_ROWS, group_pad), max_registers=DECODE_REGISTERS)
 
 
 @dataclass(frozen=True)
@@ -923,7 +928,7 @@ def attention(
         q_MHD, k, v, out, ws_ml, ws_acc, cu, ctx, tables, num_seqs, num_tokens, q_MHD.stride(0), q_MHD.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_tb, block_size,
         float(scale), **meta, SPLIT_K=chunks > 1, OFF64=off64, num_warps=lp.num_warps, num_stages=lp.num_stages,
-        launch_pdl=on,
+        maxnreg=lp.max_registers, launch_pdl=on,
     )  # fmt: skip
     if chunks > 1:
         d_block = min(head_dim, MERGE_COLUMNS)
