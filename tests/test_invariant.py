@@ -66,34 +66,6 @@ def test_tp_level_reports_a_sum_over_ranks_of_a_batched_product():
     assert left["plain"] == {"swapped": {"mm + tpweave.all_reduce.default": 1}, "not_invariant": {}}, left
 
 
-def test_batch_level_marks_the_products_of_graph_inputs_as_weights():
-    """The batch level's matmuls read a weight (a transposed input of the graph, which no kernel of the graph writes)
-    with weight=True, the flag that lets the CUDA kernel load it before its PDL wait; a product of a computed operand
-    without it. The graph's numbers are the unswapped graph's."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from tpweave.compiler.invariant import make_batch_invariant
-    from tpweave.compiler.report import GraphReport
-
-    def fn(x, w, bias, h):
-        y = torch.mm(x, w.t()) + torch.addmm(bias, x, w.t())
-        return torch.mm(y, torch.relu(h).t())  # B computed in the graph: read after the wait
-
-    args = (torch.randn(5, 8), torch.randn(6, 8), torch.randn(6), torch.randn(3, 6))
-    gm = make_fx(fn)(*args)
-    make_batch_invariant(gm.graph, report=GraphReport(variant="plain"), strict=True)
-    gm.recompile()
-    tpw = torch.ops.tpweave
-    flags = {
-        n.target: [] for n in gm.graph.nodes if n.target in (tpw.invariant_mm.default, tpw.invariant_addmm.default)
-    }
-    for n in gm.graph.nodes:
-        if n.target in flags:
-            flags[n.target].append(n.args[5] if n.target is tpw.invariant_addmm.default else n.args[2:] == (True,))
-    assert flags == {tpw.invariant_mm.default: [True, False], tpw.invariant_addmm.default: [True]}, flags
-    torch.testing.assert_close(gm(*args), fn(*args))
-
-
 def test_tp_level_products_of_any_width_compile():
     """invariant="tp" on N not a multiple of the tree product's 64-column tiles (48, 100): the ops return contiguous
     tensors as their fakes say (Inductor checks the strides of every op it calls), and the numbers are the product's.
