@@ -2,10 +2,8 @@
 batch-invariant ones (ops/invariant.py), so each token's logits do not depend on the other tokens of its step.
 
 Before:                                         After:
-    y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]), True)
-        (True: w is an input of the graph, which no kernel of it writes: the kernel reads its first K step before
-        its PDL wait, compiler/decode_gemv.py weight_input)
-    y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1[, True])
+    y = mm(x, permute(w, [1, 0]))                   y = tpweave.invariant_mm(x, permute(w, [1, 0]))
+    y = addmm(b, x, wt)                             y = tpweave.invariant_addmm(b, x, wt, 1, 1)
     s = bmm(q_BMK, k_BKN)                           s = tpweave.invariant_bmm(q_BMK, k_BKN)
     s = baddbmm(bias, q, k, beta=b, alpha=a)        s = tpweave.invariant_baddbmm(bias, q, k, b, a)
         (a Hugging Face model's eager attention: torch.matmul is bmm by now; K in fixed chunks, so the product over a
@@ -49,7 +47,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from tpweave.compiler.decode_gemv import weight_input
 from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, same, val
 from tpweave.compiler.report import GraphReport
 from tpweave.ops import fp8 as _fp8_ops  # noqa: F401  (registers tpweave::scaled_mm)
@@ -110,15 +107,11 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         target = node.target
         if target in swaps:
             node.target = swaps[target]
-            if node.target is tpw.invariant_mm.default and weight_input(node.args[1]) is not None:
-                node.args = (*node.args[:2], True)
         elif target is aten.addmm.default:
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
             node.target = tpw.tp_invariant_addmm.default if tp else tpw.invariant_addmm.default
             node.args, node.kwargs = (bias, a, b, float(beta), float(alpha)), {}
-            if not tp and weight_input(b) is not None:
-                node.args = (*node.args, True)
         elif target is aten.baddbmm.default:
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)

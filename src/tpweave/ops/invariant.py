@@ -46,9 +46,9 @@ def _tiles(a: Tensor) -> tuple[Tensor, int]:
     return (torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a), m
 
 
-def _mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
+def _mm(a: Tensor, b: Tensor) -> Tensor:
     if invariant_kernels.mm_supported(a, b):
-        return invariant_kernels.matmul(a, b, b_weight=weight)
+        return invariant_kernels.matmul(a, b)
     padded, m = _tiles(a.contiguous())
     out = a.new_empty(padded.shape[0], b.shape[1])
     for start in range(0, padded.shape[0], ROW_TILE):
@@ -57,24 +57,21 @@ def _mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
 
 
 @torch.library.custom_op("tpweave::invariant_mm", mutates_args=())
-def invariant_mm(a: Tensor, b: Tensor, weight: bool = False) -> Tensor:
-    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc). weight: no kernel before this
-    one writes b (a graph's input), so the CUDA kernel may read it before its PDL wait (same bits)."""
-    return _mm(a, b, weight)
+def invariant_mm(a: Tensor, b: Tensor) -> Tensor:
+    """a (M, K) @ b (K, N), each row through the same fixed-shape tile (module doc)."""
+    return _mm(a, b)
 
 
 @invariant_mm.register_fake
-def _(a, b, weight=False):
+def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
 @torch.library.custom_op("tpweave::invariant_addmm", mutates_args=())
-def invariant_addmm(
-    bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0, weight: bool = False
-) -> Tensor:
+def invariant_addmm(bias: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """beta * bias + alpha * (a @ b), the product as invariant_mm's (elementwise after it: row-invariant)."""
     if invariant_kernels.mm_supported(a, b):
-        return invariant_kernels.matmul(a, b, bias, beta, alpha, b_weight=weight)
+        return invariant_kernels.matmul(a, b, bias, beta, alpha)
     return _scaled_add(_mm(a, b), bias, beta, alpha)
 
 
@@ -85,7 +82,7 @@ def _scaled_add(product: Tensor, bias: Tensor | None, beta: float, alpha: float)
 
 
 @invariant_addmm.register_fake
-def _(bias, a, b, beta=1.0, alpha=1.0, weight=False):
+def _(bias, a, b, beta=1.0, alpha=1.0):
     return a.new_empty(a.shape[0], b.shape[1])
 
 

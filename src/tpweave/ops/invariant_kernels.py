@@ -269,24 +269,14 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
-    def _b_step(b_ptr, rn, N, K, k0, stride_bk, stride_bn, BLOCK_K: tl.constexpr):
-        """B's rows k0..k0 + BLOCK_K (those < K) at columns rn (< N), zeros past the edges."""
-        rk = k0 + tl.arange(0, BLOCK_K)
-        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
-        return tl.load(b_ptrs, mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-
-    @triton.jit
     def _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_FROM: tl.constexpr = 0,
-                      acc=None):  # fmt: skip
-        """Rows rm (those < M) of A @ columns rn (< N) of B: K walked in BLOCK_K steps, in order, into fp32 (from
-        step K_FROM // BLOCK_K into acc, the steps before it already in acc)."""
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """Rows rm (those < M) of A @ columns rn (< N) of B: K walked in BLOCK_K steps, in order, into fp32."""
         rk = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (K_FROM + rk[None, :]) * stride_ak
-        b_ptrs = b_ptr + (K_FROM + rk[:, None]) * stride_bk + rn[None, :].to(tl.int64) * stride_bn
-        if K_FROM == 0:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(K_FROM, K, BLOCK_K):
+        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             k_ok = rk < K - k0
             a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
@@ -300,29 +290,16 @@ if triton is not None:
                                  stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha, stride_ab, stride_bb,
                                  stride_cb, stride_bias_b, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                                 PREFETCH: tl.constexpr = False):  # fmt: skip
-        """With PREFETCH (B written by no kernel before this one: a weight), B's first K step is loaded before the
-        PDL wait, streaming in while the kernel before finishes; its product is the walk's first, as without."""
+                                 GROUP_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        pdl.wait_and_release(PDL)
         batch = tl.program_id(1).to(tl.int64)  # a batched product's matrix (bmm: grid axis 1; one matrix: 0)
         a_ptr += batch * stride_ab
         b_ptr += batch * stride_bb
         c_ptr += batch * stride_cb
         bias_ptr += batch * stride_bias_b
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        if PREFETCH:
-            b0 = _b_step(b_ptr, rn, N, K, 0, stride_bk, stride_bn, BLOCK_K)
-        pdl.wait_and_release(PDL)
-        if PREFETCH:
-            rk = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-            a0 = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            acc = tl.dot(a0, b0, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-            acc = _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
-                                BLOCK_N, BLOCK_K, BLOCK_K, acc)  # fmt: skip
-        else:
-            acc = _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
-                                BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                            BLOCK_K)  # fmt: skip
         _matmul_epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
                          alpha, HAS_BIAS, SCALED)  # fmt: skip
 
@@ -722,11 +699,10 @@ if triton is not None:
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
-           tiling: MatmulTiling | None = None, b_weight: bool = False) -> Tensor:  # fmt: skip
+           tiling: MatmulTiling | None = None) -> Tensor:  # fmt: skip
     """a (M, K) @ b (K, N) (any strides), or alpha * (a @ b) + beta * bias (broadcast to (M, N)), in a's dtype
     (module doc: the product's reduction order; the epilogue is elementwise, in fp32). `tiling` overrides the launch
-    shape (probes, tests): it changes no bit of the result. b_weight: no kernel before this one writes b (a
-    weight), so the pointer kernel loads b's first K step before its PDL wait (the same bits)."""
+    shape (probes, tests): it changes no bit of the result."""
     m, k = a.shape
     n = b.shape[1]
     out = a.new_empty(m, n)
@@ -757,8 +733,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         0, 0, 0, 0, HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, PREFETCH=b_weight, num_warps=t.num_warps,
-        num_stages=t.num_stages, launch_pdl=on,
+        BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
 
