@@ -3,6 +3,7 @@ front end and ptxas check every kernel, its inline PTX included (a wrong registe
 constraint otherwise shows only on the device). Skipped without triton; CI runs it with the box's
 Triton (.ci/run). What it cannot check: anything at run time (results, races, speed)."""
 
+import collections
 import itertools
 import re
 import subprocess
@@ -383,6 +384,32 @@ def test_grouped_matmul_kernel_compiles():
         assert not loads_before_wait(kernel), t
 
 
+def _attention_types(fn, index="*i32"):
+    """The runtime arguments' types of the invariant attention kernels (sequence offsets and lengths of `index`)."""
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr=index, ctx_ptr=index)
+    types |= dict(tables_ptr="*i32", ws_ml_ptr="*fp32")
+    types |= dict(ws_acc_ptr="*fp32", num_seqs="i32", num_tokens="i32", block_size="i32", scale="fp32")
+    types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+    return {k: v for k, v in types.items() if k in fn.arg_names}
+
+
+# SASS opcodes of float arithmetic on values (MUFU.RCP aside: integer division uses it too)
+FLOAT_OPS = ("FFMA", "FADD", "FMUL", "FMNMX", "HMMA", "F2FP", "MUFU.EX2")
+
+
+def float_arithmetic(kernel) -> collections.Counter:
+    """How many of each float instruction (FLOAT_OPS) the machine code ptxas made holds (Triton's nvdisasm)."""
+    nvdisasm = Path(triton.backends.nvidia.__file__).parent / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip("this Triton ships no nvdisasm: the machine code cannot be read")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+    return collections.Counter(op for op in ops if op.startswith(FLOAT_OPS))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 128)])
 def test_invariant_attention_kernel_compiles(group, head_dim, paged):
@@ -391,12 +418,7 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     64-bit pool offsets and int64 sequence offsets; each plan `launch_for` picks without spills."""
     from tpweave.ops import invariant_kernels as ik
 
-    def types_of(fn, index="*i32"):
-        types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", cu_ptr=index, ctx_ptr=index)
-        types |= dict(tables_ptr="*i32", ws_ml_ptr="*fp32")
-        types |= dict(ws_acc_ptr="*fp32", num_seqs="i32", num_tokens="i32", block_size="i32", scale="fp32")
-        types |= {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
-        return {k: v for k, v in types.items() if k in fn.arg_names}
+    types_of = _attention_types
 
     group_pad = ik._group_pad(group)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
@@ -435,6 +457,36 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     for sub in (1, 4) if paged and group == 4 else (1,):
         kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS), num_warps=4)
         assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+
+
+@pytest.mark.parametrize("split_k", [False, True])
+def test_attention_register_cap_changes_no_arithmetic(split_k):
+    """The decode plan's register cap (ik.DECODE_REGISTERS) changes where ptxas keeps values, not what it computes:
+    the capped kernel's machine code holds the same float instructions, FFMA against FMUL + FADD included (a
+    contraction of its own would change a row's bits against the uncapped plans)."""
+    from tpweave.ops import invariant_kernels as ik
+
+    fn = ik._invariant_attention_kernel
+    lp = ik.launch_for(1, 1, 4)
+    assert lp.max_registers == ik.DECODE_REGISTERS
+    meta = dict(GROUP=4, GROUP_PAD=4, TOKENS=lp.rows // 4, HEAD_DIM=128, CHUNK=ik.KV_CHUNK, PAGED=True,
+                SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True, SUB=1, SPLIT_K=split_k, OFF64=False)  # fmt: skip
+    aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
+    ops = [
+        float_arithmetic(
+            compile_kernel(
+                fn,
+                _attention_types(fn),
+                meta,
+                num_warps=lp.num_warps,
+                num_stages=lp.num_stages,
+                aligned=aligned,
+                maxnreg=cap,
+            )
+        )  # fmt: skip
+        for cap in (None, lp.max_registers)
+    ]
+    assert ops[0]["FFMA"] > 0 and ops[0] == ops[1], ops
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
