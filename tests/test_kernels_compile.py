@@ -440,11 +440,12 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     if paged and group == 4:  # a pool of 2**31 elements or more; offsets and lengths read as int64 where passed so
         assert "wgmma.mma_async" in compiled(OFF64=True).asm["ptx"]
         assert "wgmma.mma_async" in compiled("*i64").asm["ptx"]
-    if paged and group == 4:  # as launched (aligned pointers, strides and block size): 16-byte async copies of K/V
+    if paged:  # as launched (aligned pointers, strides and block size): 16-byte async copies of K/V
         aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
         calls = ((2048, 1), (576, 65), (256, 256), (1, 1))  # (tokens, sequences): a prefill, a mixed step, decodes
-        plans = {ik.launch_for(*c, group_pad) for c in calls}
-        assert {lp.rows for lp in plans} == {ik.ATTENTION_ROWS, ik.DECODE_ROWS}
+        plans = {ik.launch_for(*c, group_pad, head_dim) for c in calls}
+        assert {lp.rows for lp in plans} == {ik.ATTENTION_ROWS, max(ik.DECODE_ROWS, group_pad)}
+        assert {lp.max_registers for lp in plans} == {None, ik.DECODE_REGISTERS}  # these heads: the decodes capped
         for lp, split_k in itertools.product(plans, (False, True)):
             over = dict(TOKENS=lp.rows // group_pad, SUB=lp.subtiles, SPLIT_K=split_k, OFF64=False)
             kernel = compile_kernel(fn, types_of(fn), meta | over, num_warps=lp.num_warps, num_stages=lp.num_stages,
@@ -469,6 +470,8 @@ def test_attention_register_cap_changes_no_arithmetic(split_k):
     fn = ik._invariant_attention_kernel
     lp = ik.launch_for(1, 1, 4)
     assert lp.max_registers == ik.DECODE_REGISTERS
+    # shapes whose plan spills in DECODE_REGISTERS run uncapped: one q head a kv head, 16, a head dim of 256
+    assert {ik.launch_for(1, 1, g, d).max_registers for g, d in ((1, 128), (16, 128), (4, 256))} == {None}
     meta = dict(GROUP=4, GROUP_PAD=4, TOKENS=lp.rows // 4, HEAD_DIM=128, CHUNK=ik.KV_CHUNK, PAGED=True,
                 SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True, SUB=1, SPLIT_K=split_k, OFF64=False)  # fmt: skip
     aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")

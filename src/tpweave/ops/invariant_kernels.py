@@ -66,8 +66,14 @@ SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads)
 SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
 MERGE_COLUMNS = 32  # head dims per program of the split chunks' merge (head_dim / 32 programs per tile and kv head)
 # registers per thread of the 16-row plan: 4 programs of 4 warps an SM (ptxas takes 148 for llama3-8b's heads: 3),
-# so that a decode of 64 sequences (512 programs at 8 kv heads) runs in one wave of 132 SMs, not 1.3
+# so that a decode of 64 sequences (512 programs at 8 kv heads) runs in one wave of 132 SMs, not 1.3. Only where
+# ptxas fits the plan in them without spills (`_capped`): head dims to 64; 128 at 2 to 8 q heads a kv head (1 and
+# 16 spill; at 256 the K/V stages' shared memory allows 2 programs an SM anyway)
 DECODE_REGISTERS = 128
+
+
+def _capped(group_pad: int, head_dim: int) -> bool:
+    return head_dim <= 64 or (head_dim <= 128 and 2 <= group_pad <= 8)
 
 
 @dataclass(frozen=True)
@@ -84,17 +90,19 @@ class AttentionLaunch:
     max_registers: int | None = None
 
 
-def launch_for(num_tokens: int, num_seqs: int, group_pad: int) -> AttentionLaunch:
+def launch_for(num_tokens: int, num_seqs: int, group_pad: int, head_dim: int = 128) -> AttentionLaunch:
     """The default plan for a call of these shapes (shapes only: a CUDA graph's bucket fixes it): ATTENTION_ROWS rows
     a product where the call's sequences average a tile's new tokens or more (a prefill); else DECODE_ROWS (decodes,
     alone or with a chunk: a decode's tile holds one token, 4x fewer padding rows). llama3-8b's heads, a layer at a
     decode of 256 sequences (context 1024): 0.257 ms at 16 rows against 0.414 at 64 on one H200, 0.383 against 0.446
     on one H100; at a 2048-token prefill 0.226 ms at 64 rows against 0.366 at 16 (H200); sub-tiles and 8 warps no
     faster (benchmarks/results/2026-12-05/probes/invariant_attention_probe-llama3-8b-1xH200-fbd82c2.json, before the
-    exps' sums moved to the tensor cores, and -1xH100-3bc1382.json, after)."""
+    exps' sums moved to the tensor cores, and -1xH100-3bc1382.json, after). The decodes' plan runs in
+    DECODE_REGISTERS where it fits them (`_capped`; not yet timed on a GPU)."""
     if num_tokens >= max(1, ATTENTION_ROWS // group_pad) * num_seqs:
         return AttentionLaunch()
-    return AttentionLaunch(rows=max(DECODE_ROWS, group_pad), max_registers=DECODE_REGISTERS)
+    cap = DECODE_REGISTERS if _capped(group_pad, head_dim) else None
+    return AttentionLaunch(rows=max(DECODE_ROWS, group_pad), max_registers=cap)
 
 
 @dataclass(frozen=True)
@@ -867,7 +875,7 @@ def attention(
     group = num_heads // num_kv
     group_pad = _group_pad(group)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    lp = launch or launch_for(num_tokens, num_seqs, group_pad)
+    lp = launch or launch_for(num_tokens, num_seqs, group_pad, head_dim)
     if lp.subtiles not in (1, 2, 4):
         raise ValueError(f"invariant attention: {lp.subtiles} sub-tiles per program (1, 2 or 4)")
     tokens = max(1, lp.rows // group_pad)  # per sub-tile; a tile holds lp.subtiles x tokens
