@@ -65,10 +65,11 @@ DECODE_ROWS = 16  # the same where a call's sequences hold few new tokens each: 
 SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
 SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
 MERGE_COLUMNS = 32  # head dims per program of the split chunks' merge (head_dim / 32 programs per tile and kv head)
-# registers per thread of the 16-row plan: 4 programs of 4 warps an SM (ptxas takes 148 for llama3-8b's heads: 3),
-# so that a decode of 64 sequences (512 programs at 8 kv heads) runs in one wave of 132 SMs, not 1.3. Only where
-# ptxas fits the plan in them without spills (`_capped`): head dims to 64; 128 at 2 to 8 q heads a kv head (1 and
-# 16 spill; at 256 the K/V stages' shared memory allows 2 programs an SM anyway)
+# registers per thread of the 16-row plan: 4 programs of 4 warps an SM (ptxas takes 148 for llama3-8b's heads: 3;
+# 113 before the exps' sums moved to the tensor cores), so that a decode of 64 sequences (512 programs at 8 kv heads)
+# runs in one wave of 132 SMs, not 1.3. Only where ptxas fits the plan in them without spills (`_capped`): head dims
+# to 64; 128 at 2 to 8 q heads a kv head (1 and 16 spill; at 256 the K/V stages' shared memory allows 2 programs an
+# SM anyway)
 DECODE_REGISTERS = 128
 
 
