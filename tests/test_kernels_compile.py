@@ -48,17 +48,24 @@ def compile_for_gpu(fn, arg_types: dict[str, str], constexprs: dict, *, num_warp
     return compile_kernel(fn, arg_types, constexprs, num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
-def loads_before_wait(kernel) -> bool:
-    """Whether the compiled kernel loads from global memory before its PDL wait: in the machine code ptxas made
-    (LDG before ACQBULK, by Triton's nvdisasm), in the PTX where Triton ships no nvdisasm."""
+def machine_code(kernel) -> str | None:
+    """The compiled kernel's SASS, by Triton's nvdisasm; None where Triton ships none."""
     nvdisasm = Path(triton.backends.nvidia.__file__).parent / "bin" / "nvdisasm"
     if not nvdisasm.exists():
-        head = kernel.asm["ptx"].split("griddepcontrol.wait")[0]
-        return "ld.global" in head or "cp.async" in head
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loads_before_wait(kernel) -> bool:
+    """Whether the compiled kernel loads from global memory before its PDL wait: in the machine code ptxas made
+    (LDG before ACQBULK, by Triton's nvdisasm), in the PTX where Triton ships no nvdisasm."""
+    sass = machine_code(kernel)
+    if sass is None:
+        head = kernel.asm["ptx"].split("griddepcontrol.wait")[0]
+        return "ld.global" in head or "cp.async" in head
     head = sass.split("ACQBULK")[0]
     assert head != sass, "no griddepcontrol.wait (ACQBULK) in the kernel"
     return "LDG" in head
@@ -393,19 +400,20 @@ def _attention_types(fn, index="*i32"):
     return {k: v for k, v in types.items() if k in fn.arg_names}
 
 
+def _aligned(fn) -> tuple[str, ...]:
+    """The arguments a launch passes aligned (pointers, strides, the block size): as the GPU runs the kernel."""
+    return tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
+
+
 # SASS opcodes of float arithmetic on values (MUFU.RCP aside: integer division uses it too)
 FLOAT_OPS = ("FFMA", "FADD", "FMUL", "FMNMX", "HMMA", "F2FP", "MUFU.EX2")
 
 
 def float_arithmetic(kernel) -> collections.Counter:
-    """How many of each float instruction (FLOAT_OPS) the machine code ptxas made holds (Triton's nvdisasm)."""
-    nvdisasm = Path(triton.backends.nvidia.__file__).parent / "bin" / "nvdisasm"
-    if not nvdisasm.exists():
+    """How many of each float instruction (FLOAT_OPS) the machine code ptxas made holds (`machine_code`)."""
+    sass = machine_code(kernel)
+    if sass is None:
         pytest.skip("this Triton ships no nvdisasm: the machine code cannot be read")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
     return collections.Counter(op for op in ops if op.startswith(FLOAT_OPS))
 
@@ -418,8 +426,6 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     64-bit pool offsets and int64 sequence offsets; each plan `launch_for` picks without spills."""
     from tpweave.ops import invariant_kernels as ik
 
-    types_of = _attention_types
-
     group_pad = ik._group_pad(group)
     meta = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=ik.ATTENTION_ROWS // group_pad, HEAD_DIM=head_dim,
                 CHUNK=ik.KV_CHUNK, PAGED=paged, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True, SUB=1)  # fmt: skip
@@ -427,7 +433,7 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
     fn = ik._invariant_attention_kernel
 
     def compiled(index="*i32", **over):
-        return compile_kernel(fn, types_of(fn, index), meta | dict(SPLIT_K=False, OFF64=False) | over,
+        return compile_kernel(fn, _attention_types(fn, index), meta | dict(SPLIT_K=False, OFF64=False) | over,
                               num_warps=launch.num_warps, num_stages=launch.num_stages)  # fmt: skip
 
     for split_k in (False, True):
@@ -441,22 +447,22 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
         assert "wgmma.mma_async" in compiled(OFF64=True).asm["ptx"]
         assert "wgmma.mma_async" in compiled("*i64").asm["ptx"]
     if paged:  # as launched (aligned pointers, strides and block size): 16-byte async copies of K/V
-        aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
+        aligned = _aligned(fn)
         calls = ((2048, 1), (576, 65), (256, 256), (1, 1))  # (tokens, sequences): a prefill, a mixed step, decodes
         plans = {ik.launch_for(*c, group_pad, head_dim) for c in calls}
         assert {lp.rows for lp in plans} == {ik.ATTENTION_ROWS, max(ik.DECODE_ROWS, group_pad)}
         assert {lp.max_registers for lp in plans} == {None, ik.DECODE_REGISTERS}  # these heads: the decodes capped
         for lp, split_k in itertools.product(plans, (False, True)):
             over = dict(TOKENS=lp.rows // group_pad, SUB=lp.subtiles, SPLIT_K=split_k, OFF64=False)
-            kernel = compile_kernel(fn, types_of(fn), meta | over, num_warps=lp.num_warps, num_stages=lp.num_stages,
-                                    aligned=aligned, maxnreg=lp.max_registers)  # fmt: skip
+            kernel = compile_kernel(fn, _attention_types(fn), meta | over, num_warps=lp.num_warps,
+                                    num_stages=lp.num_stages, aligned=aligned, maxnreg=lp.max_registers)  # fmt: skip
             assert "cp.async.cg.shared.global" in kernel.asm["ptx"], (lp, split_k)
             assert spill_bytes(kernel) in (0, None), (lp, split_k, spill_bytes(kernel))
             if lp.max_registers:  # the cap reaches ptxas (4 programs of 4 warps an SM: DECODE_REGISTERS)
                 assert f".maxnreg {lp.max_registers}" in kernel.asm["ptx"], lp
     fn = ik._merge_chunks_kernel
     for sub in (1, 4) if paged and group == 4 else (1,):
-        kernel = compile_kernel(fn, types_of(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS), num_warps=4)
+        kernel = compile_kernel(fn, _attention_types(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS), num_warps=4)
         assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
 
 
@@ -474,7 +480,6 @@ def test_attention_register_cap_changes_no_arithmetic(split_k):
     assert {ik.launch_for(1, 1, g, d).max_registers for g, d in ((1, 128), (16, 128), (4, 256))} == {None}
     meta = dict(GROUP=4, GROUP_PAD=4, TOKENS=lp.rows // 4, HEAD_DIM=128, CHUNK=ik.KV_CHUNK, PAGED=True,
                 SEQ_BLOCK=ik.SEQ_BLOCK, PDL=True, SUB=1, SPLIT_K=split_k, OFF64=False)  # fmt: skip
-    aligned = tuple(n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride_") or n == "block_size")
     ops = [
         float_arithmetic(
             compile_kernel(
@@ -483,7 +488,7 @@ def test_attention_register_cap_changes_no_arithmetic(split_k):
                 meta,
                 num_warps=lp.num_warps,
                 num_stages=lp.num_stages,
-                aligned=aligned,
+                aligned=_aligned(fn),
                 maxnreg=cap,
             )
         )  # fmt: skip
