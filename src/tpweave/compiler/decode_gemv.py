@@ -130,7 +130,7 @@ def _halves(gate, up) -> fx.Node | None:
     return None
 
 
-def _gated_input(x, k: int) -> fx.Node | None:
+def gated_input(x, k: int) -> fx.Node | None:
     """[gate | up] when x = silu(gate) * up for the two halves of one (M, 2k) tensor, else None."""
     x = _uncast(x)
     if not (isinstance(x, fx.Node) and x.target is aten.mul.Tensor and len(x.args) == 2):
@@ -149,7 +149,7 @@ def match_linear(mm: fx.Node) -> LinearMatch | None:
     x, w = mm.args[0], weight_input(mm.args[1])
     if w is None or not isinstance(val(x), torch.Tensor) or val(x).dtype != val(w).dtype:
         return None
-    gated = _gated_input(x, val(w).shape[1])
+    gated = gated_input(x, val(w).shape[1])
     if gated is not None and val(gated).dtype == val(w).dtype:
         return LinearMatch(mm, gated, w, True)
     return LinearMatch(mm, x, w, False)
@@ -219,7 +219,7 @@ def route_linears(graph: fx.Graph, *, report: GraphReport, norms: bool = False) 
         node.meta["val"] = m.mm.meta["val"]
         m.mm.replace_all_uses_with(node)
         replaced[m.mm] = node
-        dead |= {m.mm, m.mm.args[1], *(_between(m.x, m.mm.args[0]) if m.silu_mul else ())}
+        dead |= {m.mm, m.mm.args[1], *(between(m.x, m.mm.args[0]) if m.silu_mul else ())}
     edit.erase_unused(dead)
     # += : Inductor runs the pass on each graph of the compile (a training compile's backward too)
     report.linears += len(matches) + len(normed)
@@ -227,7 +227,7 @@ def route_linears(graph: fx.Graph, *, report: GraphReport, norms: bool = False) 
     return [m.linear for m in normed] + matches
 
 
-def _between(src: fx.Node, out: fx.Node) -> set[fx.Node]:
+def between(src: fx.Node, out: fx.Node) -> set[fx.Node]:
     """The nodes computing `out` from `src` (out included, src not): the fused activation's parts."""
     found, stack = set(), [out]
     while stack:

@@ -8,6 +8,10 @@ Before:                                         After:
     s = baddbmm(bias, q, k, beta=b, alpha=a)        s = tpweave.invariant_baddbmm(bias, q, k, b, a)
         (a Hugging Face model's eager attention: torch.matmul is bmm by now; K in fixed chunks, so the product over a
         right-padded key length, its padding probabilities exact zeros, is the product over the sequence's own keys)
+    a = mul(silu(gate), up)                         y = tpweave.invariant_gated_mm(gu, permute(w, [1, 0]))
+    y = mm(a, permute(w, [1, 0]))
+        (gate, up the halves of one (M, 2K) tensor gu, on CUDA: a SwiGLU MLP's down projection; the activation in
+        the product's launch at one row, its own kernel above: the same bits, compiler/decode_gemv.py's match)
     y = _grouped_mm(x, w_GKN, offs)                 y = tpweave.invariant_grouped_mm(x, w_GKN, offs, False)
         (or transformers.grouped_mm_fallback: a mixture of experts' experts, each group through the row tiles)
     r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)
@@ -47,6 +51,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from tpweave.compiler.decode_gemv import between, gated_input
 from tpweave.compiler.graph_utils import SAME_SHAPE_OPS, VIEW_OPS, GraphEditor, same, val
 from tpweave.compiler.report import GraphReport
 from tpweave.ops import fp8 as _fp8_ops  # noqa: F401  (registers tpweave::scaled_mm)
@@ -100,6 +105,10 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         subtrees = sum(n.target is tpw.tp_invariant_rank_subtree.default for n in graph.nodes)
         if subtrees:
             swapped["mm + all_reduce as fp32 subtrees all-gathered"] = subtrees
+    else:
+        gated = _gate_products(graph)
+        if gated:
+            swapped["silu(gate) * up + mm"] = gated
     swaps = {**SWAPS, aten.mm.default: tpw.tp_invariant_mm.default} if tp else SWAPS
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -141,6 +150,27 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         if strict:
             raise NotInvariant(msg)
         report.notes.append(msg)
+
+
+def _gate_products(graph: fx.Graph) -> int:
+    """mm(silu(gate) * up, b) on CUDA, gate and up the halves of one tensor gu of b's dtype, becomes
+    tpweave::invariant_gated_mm(gu, b) (module doc); how many did. On the CPU Inductor's kernel stays: row-wise, and
+    one kernel at every M."""
+    edit = GraphEditor(graph)
+    done = 0
+    for mm in list(graph.nodes):
+        if mm.target is not aten.mm.default:
+            continue
+        x, b = mm.args[:2]
+        gu = gated_input(x, val(b).shape[0])
+        if gu is None or not (val(gu).is_cuda and val(gu).dtype == val(x).dtype == val(b).dtype):
+            continue
+        node = edit.insert(tpw.invariant_gated_mm.default, (gu, b), before=mm)
+        mm.replace_all_uses_with(node)
+        graph.erase_node(mm)
+        edit.erase_unused(between(gu, x))
+        done += 1
+    return done
 
 
 ROW_PARALLEL_FUSIONS = {

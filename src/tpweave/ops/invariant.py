@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from tpweave.ops import invariant_kernels, rope
+from tpweave.ops import gemv, invariant_kernels, rope
 from tpweave.ops.attention import check_paged_args
 from tpweave.ops.collectives import all_gather_dim0, shard_rows, tree_sum
 
@@ -65,6 +65,21 @@ def invariant_mm(a: Tensor, b: Tensor) -> Tensor:
 @invariant_mm.register_fake
 def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("tpweave::invariant_gated_mm", mutates_args=())
+def invariant_gated_mm(gu: Tensor, b: Tensor) -> Tensor:
+    """silu(gate) * up @ b for gu = [gate | up] (M, 2K), b (K, N) (a SwiGLU MLP's down projection): the activation in
+    fp32 rounded once to gu's dtype (gemv.silu_and_mul), then invariant_mm's product; on CUDA a row's bits are the
+    same at every M, one row in one launch (invariant_kernels.gated_matmul)."""
+    if invariant_kernels.mm_supported(gu, b) and gu.stride(1) == 1:
+        return invariant_kernels.gated_matmul(gu, b)
+    return _mm(gemv.silu_and_mul(gu), b)
+
+
+@invariant_gated_mm.register_fake
+def _(gu, b):
+    return gu.new_empty(gu.shape[0], b.shape[1])
 
 
 @torch.library.custom_op("tpweave::invariant_addmm", mutates_args=())
