@@ -31,8 +31,9 @@ all-gather and tpweave.ordered_sum_gathered: compiler/allreduce.py order_all_red
 A batched matmul keeps its batch form at this level: attention's (heads sharded, K = head dim or key length whole
 on every rank) is no row-parallel product; one whose product a sum over ranks reads is listed as not invariant.
 
-The rest of a decoder layer is row-wise (RMSNorm, RoPE, SwiGLU, residual adds): Inductor generates one kernel for
-every M (tpweave compiles M as a dynamic size), so a row is reduced the same way whatever M is.
+The rest of a decoder layer is row-wise (RMSNorm, RoPE, the SwiGLU activations not swapped above, residual adds):
+Inductor generates one kernel for every M (tpweave compiles M as a dynamic size), so a row is reduced the same way
+whatever M is.
 
 At TP >= 2 every cross-rank sum runs in one fixed order, a tree over the ranks (the plan routes every site to the
 `ordered` strategy, and the SP pass's reduce-scatters are swapped here for `tpweave::ordered_reduce_scatter_tokens`):
