@@ -152,7 +152,7 @@ def test_paged_attention_ops_refuse_bad_optional_arguments(op):
 def test_compiled_model_logits_do_not_depend_on_the_batch(device, dtype):
     """Our Llama compiled with invariant="batch": a sequence's logits alone (M = 1 to 37) and packed with others at M
     from 6 to 1051, at several places; the report names what was swapped: on CUDA the MLPs' down projections with
-    their activation (tpweave::invariant_gated_mm: one launch at one row, the activation's kernel above)."""
+    their activation (tpweave::invariant_gated_mm: the default mode's activation kernel, then the product)."""
     torch._dynamo.reset()  # Dynamo's recompile limit counts every compile of this model class in the process
     model = build_model("tiny", tp=TPContext.single(device), dtype=dtype, **WIDE)
     vocab = model.config.vocab_size
@@ -770,7 +770,7 @@ def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu
         for tiling in invariant_kernels.TILINGS:  # every launch shape, BLOCK_K 64 or 128: the same bits
             assert torch.equal(invariant_kernels.matmul(x[:65], w.t(), tiling=tiling), full[:65]), (n, k, tiling)
         torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)
-        if n == 4096:  # a SwiGLU MLP's down projection: its activation in the product's launch at one row
+        if n == 4096:  # a SwiGLU MLP's down projection with its activation
             gu = torch.randn(300, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
             want = invariant_kernels.matmul(gemv.silu_and_mul(gu), w.t())
             for rows in (slice(0, 1), slice(0, 2), slice(0, 16), slice(0, 17), slice(0, 64), slice(0, 300),

@@ -10,8 +10,9 @@ Before:                                         After:
         right-padded key length, its padding probabilities exact zeros, is the product over the sequence's own keys)
     a = mul(silu(gate), up)                         y = tpweave.invariant_gated_mm(gu, permute(w, [1, 0]))
     y = mm(a, permute(w, [1, 0]))
-        (gate, up the halves of one (M, 2K) tensor gu, on CUDA: a SwiGLU MLP's down projection; the activation in
-        the product's launch at one row, its own kernel above: the same bits, compiler/decode_gemv.py's match)
+        (gate, up the halves of one (M, 2K) tensor gu, on CUDA: a SwiGLU MLP's down projection, compiler/
+        decode_gemv.py's match; the activation by the default mode's kernel, which Inductor's generated one for a
+        dynamic M trailed at 64 and 256 rows on one H200: 3.1 against 2.2 and 8.2 against 5.9 us a layer)
     y = _grouped_mm(x, w_GKN, offs)                 y = tpweave.invariant_grouped_mm(x, w_GKN, offs, False)
         (or transformers.grouped_mm_fallback: a mixture of experts' experts, each group through the row tiles)
     r = tpweave.reduce_scatter_tokens(y, ...)       r = tpweave.ordered_reduce_scatter_tokens(y, ...)

@@ -115,10 +115,8 @@ def silu_and_mul(x_M2K: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def activation(x_ptrs, mask, k, SILU_MUL: tl.constexpr):
-        """x's tile at x_ptrs, or silu(gate) * up of the [gate | up] row (up k columns on), in x's dtype: the one
-        form of the activation in every kernel that computes it (ops/invariant_kernels.py's one-row gated product
-        gives a row the bits of _silu_mul_kernel's output)."""
+    def _activation(x_ptrs, mask, k, SILU_MUL: tl.constexpr):
+        """x's tile at x_ptrs, or silu(gate) * up of the [gate | up] row (up k columns on), in x's dtype."""
         if SILU_MUL:
             gate = tl.load(x_ptrs, mask=mask, other=0.0)
             up = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
@@ -131,7 +129,7 @@ if triton is not None:
         pdl.wait_and_release(PDL)
         m = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        x = activation(x_ptr + m * stride_xm + cols, cols < K, K, True)
+        x = _activation(x_ptr + m * stride_xm + cols, cols < K, K, True)
         tl.store(out_ptr + m * K + cols, x, mask=cols < K)
 
     @triton.jit
@@ -148,7 +146,7 @@ if triton is not None:
             sq += h32 * h32
             xs = h32 * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         else:
-            xs = activation(x_ptr + kk, k_ok, K, SILU_MUL).to(tl.float32)
+            xs = _activation(x_ptr + kk, k_ok, K, SILU_MUL).to(tl.float32)
         return acc + w.to(tl.float32) * xs[None, :], sq
 
     @triton.jit

@@ -70,10 +70,10 @@ def _(a, b):
 @torch.library.custom_op("tpweave::invariant_gated_mm", mutates_args=())
 def invariant_gated_mm(gu: Tensor, b: Tensor) -> Tensor:
     """silu(gate) * up @ b for gu = [gate | up] (M, 2K), b (K, N) (a SwiGLU MLP's down projection): the activation in
-    fp32 rounded once to gu's dtype (gemv.silu_and_mul), then invariant_mm's product; on CUDA a row's bits are the
-    same at every M, one row in one launch (invariant_kernels.gated_matmul)."""
-    if invariant_kernels.mm_supported(gu, b) and gu.stride(1) == 1:
-        return invariant_kernels.gated_matmul(gu, b)
+    fp32 rounded once to gu's dtype (gemv.silu_and_mul: on CUDA the default mode's Triton kernel, one at every M),
+    then invariant_mm's product."""
+    if gu.is_cuda and gu.stride(-1) != 1:
+        gu = gu.contiguous()  # silu_and_mul's kernel, not its torch form, whatever the strides
     return _mm(gemv.silu_and_mul(gu), b)
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from tpweave.ops import gemv, pdl
+from tpweave.ops import pdl
 from tpweave.ops.device import num_sms
 
 try:
@@ -295,34 +295,11 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gated_row_product_tile(a_ptr, b_ptr, rm, rn, N, K, stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        """_product_tile of one row whose A is silu(gate) * up of the [gate | up] row at a_ptr (gate K columns, then
-        up): each K step's activation computed once for the row (gemv.activation, as silu_and_mul's kernel computes
-        it) and put in row 0 of a BLOCK_M-row tile of zeros, which tl.dot takes as _product_tile's masked load of
-        silu_and_mul's output: the same tile, K walk and dot."""
-        rk = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rk * stride_ak
-        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
-        first_row = (rm == 0)[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = rk < K - k0
-            x = gemv.activation(a_ptrs, k_ok, K * stride_ak, True)  # (BLOCK_K,) in A's dtype
-            a = tl.where(first_row, x[None, :], tl.zeros([BLOCK_M, BLOCK_K], dtype=x.dtype))
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        return acc
-
-    @triton.jit
     def _invariant_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                  stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta, alpha, stride_ab, stride_bb,
                                  stride_cb, stride_bias_b, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, GATED_ROW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """GATED_ROW: M is 1 and A the [gate | up] row whose silu(gate) * up is multiplied (_gated_row_product_tile)."""
+                                 GROUP_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         pdl.wait_and_release(PDL)
         batch = tl.program_id(1).to(tl.int64)  # a batched product's matrix (bmm: grid axis 1; one matrix: 0)
         a_ptr += batch * stride_ab
@@ -330,12 +307,8 @@ if triton is not None:
         c_ptr += batch * stride_cb
         bias_ptr += batch * stride_bias_b
         rm, rn = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        if GATED_ROW:
-            acc = _gated_row_product_tile(a_ptr, b_ptr, rm, rn, N, K, stride_ak, stride_bk, stride_bn, BLOCK_M,
-                                          BLOCK_N, BLOCK_K)  # fmt: skip
-        else:
-            acc = _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
-                                BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = _product_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                            BLOCK_K)  # fmt: skip
         _matmul_epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, stride_bias_m, stride_bias_n, beta,
                          alpha, HAS_BIAS, SCALED)  # fmt: skip
 
@@ -769,31 +742,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, 
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), *(bias.stride() if bias is not None else (0, 0)), float(beta), float(alpha),
         0, 0, 0, 0, HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=t.group_m, GATED_ROW=False, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages,
-        launch_pdl=on,
-    )  # fmt: skip
-    return out
-
-
-def gated_matmul(gu: Tensor, b: Tensor, *, tiling: MatmulTiling | None = None) -> Tensor:
-    """silu(gate) * up @ b for gu = [gate | up] (M, 2K) with contiguous rows' columns and b (K, N), in gu's dtype: a
-    row's bits are matmul(gemv.silu_and_mul(gu), b)'s at every M. One row under a pointer tiling: one launch that
-    computes the row's activation as it walks K (a SwiGLU MLP's down projection in a decode of one sequence, where
-    the activation's own kernel is a launch of its own for 14336 elements); otherwise silu_and_mul's kernel, then
-    `matmul`."""
-    m, k = gu.shape[0], gu.shape[1] // 2
-    n = b.shape[1]
-    assert gu.shape[1] == 2 * k == 2 * b.shape[0] and gu.stride(1) == 1, "gated_matmul: gu (M, 2K) [gate | up]"
-    t = tiling or tiling_for(m, n, k)
-    if m != 1 or t.tma:
-        return matmul(gemv.silu_and_mul(gu), b, tiling=tiling)
-    out = gu.new_empty(1, n)
-    on = pdl.enabled(gu.device)
-    _invariant_matmul_kernel[(triton.cdiv(n, t.block_n), 1)](
-        gu, b, out, out, 1, n, k, gu.stride(0), gu.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        0, 0, 1.0, 1.0, 0, 0, 0, 0, HAS_BIAS=False, SCALED=False, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=t.group_m, GATED_ROW=True, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages,
-        launch_pdl=on,
+        BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
 
@@ -828,7 +777,7 @@ def bmm(a: Tensor, b: Tensor, bias: Tensor | None = None, beta: float = 1.0, alp
         a, b, out, bias if bias is not None else out, m, n, k, a.stride(1), a.stride(2), b.stride(1), b.stride(2),
         out.stride(1), out.stride(2), *bias_strides[1:], float(beta), float(alpha), a.stride(0), b.stride(0),
         out.stride(0), bias_strides[0], HAS_BIAS=bias is not None, SCALED=alpha != 1.0, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, GATED_ROW=False, PDL=on, num_warps=t.num_warps,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, PDL=on, num_warps=t.num_warps,
         num_stages=t.num_stages, launch_pdl=on,
     )  # fmt: skip
     return out
