@@ -404,11 +404,14 @@ def test_logits_do_not_depend_on_the_tp_degree():
     import workers
     from test_compiler import uninterleaved_all_reduces
 
+    # each rank compiles three graph variants as it first meets them, while the others may already wait in the
+    # variant's collectives: on a loaded 2-core CI machine one rank's compile trailed the other's by over the default
+    # 120 s once (a gloo send timeout at TP 2), so the collectives here wait up to 300 s
+    waits = dict(timeout_s=600, collective_timeout_s=300)
     one, calls, _, _ = workers.tp_invariant_logits(TPContext.single(), "tp")
     assert calls["plain"] == 3 and not calls.get("split") and not calls.get("sp"), calls
     for tp in (2, 4):
-        got, calls, collectives, schedules = tpweave.launch(workers.tp_invariant_logits, "tp", nprocs=tp,
-                                                            timeout_s=600)[0]  # fmt: skip
+        got, calls, collectives, schedules = tpweave.launch(workers.tp_invariant_logits, "tp", nprocs=tp, **waits)[0]
         assert calls == {"plain": 0, "split": 2, "sp": 1}, calls
         for (name, want), (_, logits) in zip(one, got, strict=True):
             assert torch.equal(logits, want), (tp, name, (logits - want).abs().max())
@@ -418,7 +421,7 @@ def test_logits_do_not_depend_on_the_tp_degree():
             assert schedule.count("all_reduce A") == schedule.count("all_reduce B") > 1, schedule
             assert uninterleaved_all_reduces(schedule) == [], schedule
     batch_one = workers.tp_invariant_logits(TPContext.single(), "batch")[0]
-    batch_two = tpweave.launch(workers.tp_invariant_logits, "batch", nprocs=2, timeout_s=600)[0][0]
+    batch_two = tpweave.launch(workers.tp_invariant_logits, "batch", nprocs=2, **waits)[0][0]
     assert not all(torch.equal(a, b) for (_, a), (_, b) in zip(batch_one, batch_two))
 
 
