@@ -569,7 +569,9 @@ if triton is not None:
         safe = tl.where(m == float("-inf"), 0.0, m)
         wa = tl.exp(m_a - safe)
         wb = tl.exp(m_b - safe)
-        return m, l_a * wa + l_b * wb, acc_a * wa[:, None] + acc_b * wb[:, None]
+        # the FMAs spelled out: a + b left to the compiler may contract either product into an FMA, and which one can
+        # follow the code around the inlined call (the in-kernel merge against _merge_chunks_kernel's)
+        return m, tl.fma(l_a, wa, l_b * wb), tl.fma(acc_a, wa[:, None], acc_b * wb[:, None])
 
     @triton.jit
     def _invariant_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, tables_ptr,
