@@ -88,6 +88,9 @@ def test_async_scheduling_gives_the_synchronous_engines_tokens(temperature):
         return [(r["token_ids"], r["finish_reason"], r["error"]) for r in results]
 
     assert text(got) == text(ref)
+    # a token's logprobs stay with it: one per token kept, none for one discarded after a stop in flight
+    for r in (r for r in got + ref if r["error"] is None):
+        assert len(r["logprobs"]) == len(r["token_ids"]) and all(x.top[0][1] >= x.logprob for x in r["logprobs"])
     # a sequence ended by a stop token in flight was scheduled once more: at least as many steps
     assert async_steps >= sync_steps
     results = tpweave.launch(workers.engine_generate, prompts, 10, ENGINE, temperature, stops, nprocs=2)

@@ -11,6 +11,7 @@ import torch
 import tpweave
 from tpweave import compiler
 from tpweave.compiler import CompileOptions
+from tpweave.engine import SamplingParams
 from tpweave.models import build_model
 from tpweave.models.inputs import pack
 from tpweave.ops import fp8
@@ -200,18 +201,26 @@ def test_engine_request_logits_alone_equal_among_others(device, dtype):
     prompts = [[rng.randrange(1536) for _ in range(n)] for n in (1, 7, 13, 30, 45)]
     config = dict(dtype=dtype, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                   async_scheduling=False, invariant="batch", model_overrides=WIDE)  # fmt: skip
-    alone = {}
+    params = SamplingParams(max_tokens=6, logprobs=3)
+    alone, alone_logprobs = {}, []
     for p in prompts:
-        _, seen = _engine_logits([p], {**config, "num_blocks": 32}, device=device)
+        (result,), seen = _engine_logits([p], {**config, "num_blocks": 32}, device=device, params=params)
         alone.update(seen)
+        alone_logprobs.append(result["logprobs"])
+        # the reported logprobs are the logits' log_softmax in fp32: the sampled token's, then the 3 most likely
+        for j, lp in enumerate(result["logprobs"]):
+            row = torch.log_softmax(seen[tuple(p + result["token_ids"][:j])].float(), -1)
+            assert lp.logprob == row[result["token_ids"][j]].item() and len(lp.top) == 3
+            assert [i for i, _ in lp.top] == row.topk(3).indices.tolist() and lp.top[0][1] == row.max().item()
     preempted = 0
     runs = [(32, None, True), (16, (16,), True), (16, None, True)]
     if device == "cuda":
         runs.append((16, None, False))  # piecewise graphs rather than whole-step ones
     for blocks, pad_to, whole in runs:
         results, seen = _engine_logits(prompts, {**config, "num_blocks": blocks, "whole_step_graphs": whole},
-                                       pad_to=pad_to, device=device)  # fmt: skip
+                                       pad_to=pad_to, device=device, params=params)  # fmt: skip
         assert all(len(r["token_ids"]) == 6 for r in results)
+        assert [r["logprobs"] for r in results] == alone_logprobs  # bitwise: floats compared with ==
         preempted += sum(r["num_preemptions"] for r in results)
         assert set(seen) <= set(alone) and len(seen) == len(alone) == 5 * 6
         for key, logits in seen.items():

@@ -143,6 +143,7 @@ def test_openai_client_completions_chat_streaming_and_errors(tmp_path):
 
     from tpweave.engine import LLMEngine, SamplingParams
     from tpweave.runtime.context import TPContext
+    from tpweave.server import protocol
 
     path = _hf_model_with_tokenizer(tmp_path / "hf")
     flags = ["--model", str(path), "--dtype", "float32", "--no-compile", "--max-num-batched-tokens", "64",
@@ -159,8 +160,18 @@ def test_openai_client_completions_chat_streaming_and_errors(tmp_path):
         assert choice.text == tok.decode(ids, skip_special_tokens=True)
         engine = LLMEngine(TPContext.single("cpu"), str(path), dtype=torch.float32, compile_model=False,
                            num_blocks=128, max_num_batched_tokens=64)  # fmt: skip
-        expected = engine.generate([tok.encode("hello world w1 w2")], SamplingParams(max_tokens=6))[0]["token_ids"]
+        alone = engine.generate([tok.encode("hello world w1 w2")], SamplingParams(max_tokens=6, logprobs=2))[0]
+        expected = alone["token_ids"]
         assert ids == expected
+        # logprobs: the engine's, each token's text, and the top 2 (the completions API's form)
+        scored = client.completions.create(model="m", prompt="hello world w1 w2", max_tokens=6, temperature=0,
+                                           logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+        lp, served = scored.choices[0].logprobs, protocol.ServedModel("m", 0, 0, tok)
+        assert lp.token_logprobs == [x.logprob for x in alone["logprobs"]] and lp.tokens == [
+            tok.decode([t]) for t in expected
+        ]
+        assert lp.top_logprobs == [protocol._by_text(served, x.top) for x in alone["logprobs"]]
+        assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0]) and choice.logprobs is None
         by_ids = client.completions.create(model="m", prompt=tok.encode("hello world w1 w2"), max_tokens=6,
                                            temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
         assert by_ids.choices[0].model_extra["token_ids"] == expected
@@ -175,13 +186,31 @@ def test_openai_client_completions_chat_streaming_and_errors(tmp_path):
         assert text == chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
         assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        # chat logprobs, whole and streamed: the same entries, each naming its token's id
+        scored = client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"ignore_eos": True},
+        )
+        content = scored.choices[0].logprobs.content
+        assert [e.model_extra["token_id"] for e in content] == scored.choices[0].model_extra["token_ids"]
+        assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob for e in content)
+        stream = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
+                                                logprobs=True, top_logprobs=3, stream=True,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+        streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content] and len(content) == 8
         # bad requests: the error names the field; the server keeps serving
         bad = [
             (openai.BadRequestError, dict(prompt="hello", max_tokens=0), "max_tokens"),
             (openai.BadRequestError, dict(prompt=[5, 500], max_tokens=2), "prompt"),  # outside the vocabulary
             (openai.BadRequestError, dict(prompt="w1 " * 300, max_tokens=2), "prompt"),  # longer than the context
             (openai.BadRequestError, dict(prompt="hello", extra_body={"best_of_n": 3}), "best_of_n"),
-            (openai.BadRequestError, dict(prompt="hello", logprobs=2), "logprobs"),
+            (openai.BadRequestError, dict(prompt="hello", logprobs=21), "logprobs"),
             (openai.BadRequestError, dict(prompt="hello", temperature=-1), "temperature"),
         ]
         for error, kwargs, param in bad:
@@ -333,6 +362,7 @@ def test_requests_the_engine_cannot_serve_are_refused_naming_the_field():
         ({**ok, "stream": "yes"}, "stream"), ({**ok, "max_tokens": True}, "max_tokens"), ({"prompt": []}, "prompt"),
         ({"prompt": "text"}, "prompt"),  # no tokenizer: token ids only
         ({**ok, "stop_token_ids": "2"}, "stop_token_ids"), ({**ok, "stream_options": {"x": 1}}, "stream_options"),
+        ({**ok, "logprobs": 21}, "logprobs"), ({**ok, "logprobs": True}, "logprobs"),
     ]  # fmt: skip
     for body, param in refused:
         with pytest.raises(RequestError) as e:
@@ -341,6 +371,15 @@ def test_requests_the_engine_cannot_serve_are_refused_naming_the_field():
     with pytest.raises(RequestError) as e:
         protocol.parse_request({"messages": [{"role": "user", "content": "hi"}]}, "chat", model)
     assert "chat template" in str(e.value)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for body, param in [({**chat, "top_logprobs": 2}, "top_logprobs"), ({**chat, "logprobs": 2}, "logprobs"),
+                        ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs")]:  # fmt: skip
+        with pytest.raises(RequestError) as e:
+            protocol.parse_request(body, "chat", model)
+        assert e.value.param == param, e.value.body()
+    assert protocol.parse_request({**ok, "logprobs": 3}, "completion", model).params.logprobs == 3
+    assert protocol.parse_request({**ok, "logprobs": 0}, "completion", model).params.logprobs == 0
+    assert protocol.parse_request(ok, "completion", model).params.logprobs is None
 
 
 def test_the_mailbox_wakes_the_event_loop_once_per_batch_and_keeps_order():

@@ -459,7 +459,12 @@ def engine_generate(
     if pad_to is not None:
         engine.runner.pieces, engine.runner.prefill_buckets = PiecewiseGraphs(), list(pad_to)
     params = SamplingParams(
-        temperature=temperature, top_p=0.9, max_tokens=max_tokens, seed=3, stop_token_ids=tuple(stop_token_ids)
+        temperature=temperature,
+        top_p=0.9,
+        max_tokens=max_tokens,
+        seed=3,
+        stop_token_ids=tuple(stop_token_ids),
+        logprobs=2,
     )
     results = engine.generate(prompts, params)
     forward = engine.runner.forward

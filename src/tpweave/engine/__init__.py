@@ -4,7 +4,7 @@ from tpweave.engine.block_manager import BlockManager
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.llm_engine import LLMEngine
 from tpweave.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from tpweave.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from tpweave.engine.sequence import MAX_LOGPROBS, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 
 __all__ = [
     "LLMEngine",
@@ -16,4 +16,6 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "TokenLogprobs",
+    "MAX_LOGPROBS",
 ]

@@ -83,19 +83,21 @@ class LLMEngine:
         self.num_steps += bool(out.chunks)
         done = list(out.failed)
         if self._in_flight is not None:
-            done = self.scheduler.postprocess(self._in_flight[0], self._in_flight[1].read()) + done
+            out_before, step_before = self._in_flight
+            done = self.scheduler.postprocess(out_before, step_before.read(), step_before.read_logprobs()) + done
             self._in_flight = None
         if out.chunks:
             if self.config.async_scheduling:
                 self._in_flight = (out, launched)
             else:
-                done = self.scheduler.postprocess(out, launched.read()) + done
+                done = self.scheduler.postprocess(out, launched.read(), launched.read_logprobs()) + done
         return done
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[dict[str, Any]]:
-        """Every prompt gets a result: its tokens and finish reason, or the error that rejected it."""
+        """Every prompt gets a result: its tokens and finish reason, or the error that rejected it; with
+        SamplingParams.logprobs, "logprobs": a TokenLogprobs per generated token (else None)."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         results: list[dict[str, Any]] = []
         seqs: list[Sequence | None] = []
@@ -105,7 +107,7 @@ class LLMEngine:
                 results.append({})
             except ValueError as e:
                 seqs.append(None)
-                results.append({"token_ids": [], "finish_reason": None, "error": str(e)})
+                results.append({"token_ids": [], "finish_reason": None, "error": str(e), "logprobs": None})
         while self.has_unfinished():
             self.step()
         for i, seq in enumerate(seqs):
@@ -115,5 +117,6 @@ class LLMEngine:
                     "finish_reason": seq.finish_reason,
                     "error": seq.error,
                     "num_preemptions": seq.num_preemptions,
+                    "logprobs": list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 }
         return results

@@ -45,7 +45,7 @@ from tpweave.engine.buckets import bucket_for, decode_buckets, prefill_buckets
 from tpweave.engine.config import EngineConfig
 from tpweave.engine.sampling import request_seed, sample
 from tpweave.engine.scheduler import ScheduledChunk
-from tpweave.engine.sequence import PENDING
+from tpweave.engine.sequence import PENDING, TokenLogprobs
 from tpweave.engine.staging import StagedInputs
 from tpweave.log import progress
 from tpweave.models import build_model
@@ -66,6 +66,8 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    # rows that asked for logprobs: (rows, chosen (R,), top values (R, k), top ids (R, k), each row's k), on the host
+    logprobs: tuple | None = None
 
     def read(self) -> dict[int, int]:
         """{seq_id: sampled token}: waits for the step's sampling to reach the host (the step's one sync)."""
@@ -74,6 +76,15 @@ class LaunchedStep:
         if self.event is not None:
             self.event.synchronize()
         return dict(zip(self.seq_ids, self.host.tolist()))
+
+    def read_logprobs(self) -> dict[int, TokenLogprobs]:
+        """{seq_id: its token's TokenLogprobs} of the sequences that asked (after read(): on the host by then)."""
+        if self.logprobs is None:
+            return {}
+        rows, chosen, top_v, top_i, ks = self.logprobs
+        chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        return {self.seq_ids[r]: TokenLogprobs(chosen[j], tuple(zip(top_i[j][:k], top_v[j][:k])))
+                for j, (r, k) in enumerate(zip(rows, ks))}  # fmt: skip
 
 
 class ModelRunner:
@@ -611,13 +622,33 @@ class ModelRunner:
             tokens = picked.argmax(-1)
         seq_ids = [c.seq.seq_id for _, c in sampling]
         self._last_rows = {sid: i for i, sid in enumerate(seq_ids)}
+        logprobs = self._logprobs(picked, tokens, params, put)
         if not self.on_cuda:
-            self._last = LaunchedStep(seq_ids, tokens, tokens)
+            self._last = LaunchedStep(seq_ids, tokens, tokens, logprobs=logprobs)
             return self._last
         host = self._host_tokens[self._num_launched % 2][: len(seq_ids)]
         self._num_launched += 1
         host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:  # to the host behind the same event as the tokens (pinned: the host does not wait)
+            pinned = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+                      for x in logprobs[1:4]]  # fmt: skip
+            logprobs = (logprobs[0], *pinned, logprobs[4])
         event = torch.cuda.Event()
         event.record()
-        self._last = LaunchedStep(seq_ids, tokens, host, event)
+        self._last = LaunchedStep(seq_ids, tokens, host, event, logprobs)
         return self._last
+
+    @staticmethod
+    def _logprobs(picked: torch.Tensor, tokens: torch.Tensor, params: list, put) -> tuple | None:
+        """The sampled tokens' log-probabilities under the model and the top k of the rows that asked (None: none
+        did), on the logits' device: log_softmax over the vocabulary in fp32, one row at a time whatever the batch
+        (a row's reduction depends on the vocabulary's size alone), so in invariant mode as invariant as the logits."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return None
+        ks = [params[i].logprobs for i in rows]
+        index = put(rows, torch.int64) if len(rows) < len(params) else None
+        lp = torch.log_softmax((picked if index is None else picked[index]).float(), dim=-1)
+        chosen = lp.gather(-1, (tokens if index is None else tokens[index])[:, None])[:, 0]
+        top_v, top_i = lp.topk(max(ks), dim=-1)
+        return rows, chosen, top_v, top_i, ks

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tpweave.engine.block_manager import BlockManager
-from tpweave.engine.sequence import Sequence, SequenceStatus
+from tpweave.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 
 @dataclass
@@ -185,10 +185,11 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status, seq.error = SequenceStatus.FAILED, error
 
-    def postprocess(self, out: SchedulerOutput, next_tokens: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, next_tokens: dict[int, int],
+                    logprobs: dict[int, TokenLogprobs] | None = None) -> list[Sequence]:  # fmt: skip
         """Read back a step's results: append the token sampled for each sequence of `out` that is still
-        running (the token of one that ended meanwhile is discarded), apply the stop conditions, and
-        return the sequences that finished."""
+        running (the token of one that ended meanwhile is discarded) and its logprobs where it asked, apply the
+        stop conditions, and return the sequences that finished."""
         finished = []
         for chunk in out.chunks:
             seq = chunk.seq
@@ -199,6 +200,8 @@ class Scheduler:
                 continue
             token = next_tokens[seq.seq_id]
             seq.output_token_ids.append(token)
+            if logprobs and seq.seq_id in logprobs:
+                seq.output_logprobs.append(logprobs[seq.seq_id])
             reason = None
             if token in seq.params.stop_token_ids:
                 reason = "stop"

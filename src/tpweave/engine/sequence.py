@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 PENDING = -1  # the id of a token that is sampled on the device but not read back yet
+MAX_LOGPROBS = 20  # the most likely tokens a generated token can report, at most (the OpenAI API's limit)
 
 
 class SequenceStatus(enum.Enum):
@@ -34,15 +35,30 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # None: none; k: each generated token's log-probability and the k most likely tokens' (TokenLogprobs)
+    logprobs: int | None = None
 
     def validate(self) -> None:
-        """Raise ValueError if max_tokens < 1, temperature < 0 or top_p is outside (0, 1]."""
+        """Raise ValueError if max_tokens < 1, temperature < 0, top_p is outside (0, 1] or logprobs outside
+        [0, MAX_LOGPROBS]."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (log_softmax of its logits in fp32, before temperature
+    and top-p: what a policy-gradient update needs), and the `top` most likely tokens' as (id, logprob), most likely
+    first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)  # identity: the scheduler's membership tests and removals never compare token lists
@@ -61,6 +77,7 @@ class Sequence:
     error: str | None = None
     finish_reason: str | None = None
     num_pending: int = 0  # sampled tokens in flight (0 or 1): after output_token_ids, ids unknown yet
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token if params.logprobs
 
     def token_at(self, position: int) -> int:
         """The token at `position` of prompt + output (+ pending: PENDING), without concatenating them."""

@@ -38,7 +38,8 @@ class Commands:
         return bool(self.adds or self.aborts or self.stop)
 
 
-# what a sink receives: ("tokens", [new ids]), then ("finished", finish_reason) or ("error", message)
+# what a sink receives: ("tokens", [new ids]) (each after ("logprobs", [their TokenLogprobs]) where the request asked),
+# then ("finished", finish_reason) or ("error", message)
 Sink = Callable[[tuple[str, Any]], None]
 
 
@@ -150,6 +151,8 @@ class EngineLoop:
         for key, seq in list(self._seqs.items()):
             n = len(seq.output_token_ids)
             if n > self._sent[key]:
+                if seq.params.logprobs is not None:  # before the tokens they belong to
+                    self._emit(key, ("logprobs", seq.output_logprobs[self._sent[key] : n]))
                 self._emit(key, ("tokens", seq.output_token_ids[self._sent[key] : n]))
                 self._sent[key] = n
             if seq.is_done:

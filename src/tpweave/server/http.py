@@ -65,6 +65,8 @@ class _Choice:
         self.read = 0  # ids[prefix:read] decode to the text sent last
         self.reason: str | None = None
         self.error: str | None = None
+        self.logprobs: list = []  # a TokenLogprobs per id, where the request asked
+        self.offset = 0  # streaming: the text length of the tokens whose logprobs were sent (completions' text_offset)
 
     @property
     def done(self) -> bool:
@@ -161,7 +163,8 @@ class OpenAIServer:
             errors = [c.error for c in choices if c.error]
             if errors:
                 return _error(RequestError(errors[0], param="prompt"))
-            return web.json_response(protocol.response(req, self.model, [(c.ids, c.reason) for c in choices]))
+            outputs = [(c.ids, c.reason, c.logprobs) for c in choices]
+            return web.json_response(protocol.response(req, self.model, outputs))
         finally:  # a disconnect (CancelledError) or any failure: end what is still running
             for key, c in zip(keys, choices):
                 if not c.done:
@@ -172,6 +175,8 @@ class OpenAIServer:
     def _apply(choice: _Choice, what: str, value: Any) -> None:
         if what == "tokens":
             choice.ids += value
+        elif what == "logprobs":
+            choice.logprobs += value
         elif what == "finished":
             choice.reason = value
         else:
@@ -220,6 +225,8 @@ class OpenAIServer:
             i, (what, value) = await events.get()
             c = choices[i]
             self._apply(c, what, value)
+            if what == "logprobs":  # sent with the tokens they belong to, the next event
+                continue
             if c.error is not None:
                 if resp is None:  # nothing sent yet: an ordinary error response
                     return _error(RequestError(c.error, param="prompt"))
@@ -230,8 +237,13 @@ class OpenAIServer:
                 await resp.prepare(request)
             if what == "tokens":
                 first_token = first_token or time.perf_counter()
-            data = protocol.chunk(req, self.model, i, text=self._new_text(c), token_ids=value if what == "tokens"
-                                  else [], finish_reason=c.reason, first=not started[i])  # fmt: skip
+            ids = value if what == "tokens" else []
+            logprobs = None
+            if ids and req.params.logprobs is not None:
+                logprobs = protocol.logprobs_body(req, self.model, ids, c.logprobs[len(c.ids) - len(ids) :], c.offset)
+                c.offset += sum(len(protocol.token_text(self.model, t)) for t in ids)
+            data = protocol.chunk(req, self.model, i, text=self._new_text(c), token_ids=ids, finish_reason=c.reason,
+                                  first=not started[i], logprobs=logprobs)  # fmt: skip
             started[i] = True
             if c.done and all(x.done for x in choices) and not req.include_usage:
                 data["usage"] = protocol.usage(sum(map(len, req.prompts)), sum(len(x.ids) for x in choices))

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpweave.engine import SamplingParams
+from tpweave.engine import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 # fields each endpoint takes; any other is refused (a silently ignored option gives the user other results than asked)
 COMMON_FIELDS = {
@@ -132,6 +132,22 @@ def _chat_prompt(body: dict, model: ServedModel) -> list[int]:
     return _token_ids(list(ids), model, "messages")
 
 
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The most likely tokens each generated token reports besides its own logprob (None: no logprobs): completions
+    take `logprobs` (an integer), chat `logprobs` (true or false) and `top_logprobs` (an integer, with logprobs)."""
+    if kind == "completion":
+        if body.get("logprobs") is False:
+            return None
+        return _number(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"'logprobs' must be true or false, got {wanted!r}", param="logprobs")
+    top = _number(body, "top_logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
 def parse_request(body: Any, kind: str, model: ServedModel) -> ParsedRequest:
     """A completions (`kind` "completion") or chat completions ("chat") body, checked; RequestError names the first
     field that is wrong."""
@@ -148,8 +164,7 @@ def parse_request(body: Any, kind: str, model: ServedModel) -> ParsedRequest:
                            status=404)  # fmt: skip
     if _number(body, "n", int, 1) != 1 or _number(body, "best_of", int, 1) != 1:
         raise RequestError("only n = 1 (and best_of = 1) is supported", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise RequestError("logprobs are not supported by tpweave's engine", param="logprobs")
+    logprobs = _logprobs(body, kind)
     if body.get("echo"):
         raise RequestError("echo is not supported", param="echo")
     if body.get("stop") not in (None, [], ""):
@@ -180,6 +195,7 @@ def parse_request(body: Any, kind: str, model: ServedModel) -> ParsedRequest:
         max_tokens=max_tokens,
         stop_token_ids=tuple(stop),
         seed=seed,
+        logprobs=logprobs,
     )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -195,37 +211,81 @@ def decode(model: ServedModel, ids: list[int]) -> str:
     return model.tokenizer.decode(ids, skip_special_tokens=True) if model.tokenizer is not None else ""
 
 
+def token_text(model: ServedModel, token_id: int) -> str:
+    """One token's text in a logprobs object ("token_id:N" without a tokenizer)."""
+    return model.tokenizer.decode([token_id]) if model.tokenizer is not None else f"token_id:{token_id}"
+
+
+def _by_text(model: ServedModel, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    """The completions API's top_logprobs entry, a dict keyed by text: of tokens with the same text, the likelier."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(token_text(model, token_id), logprob)
+    return out
+
+
+def logprobs_body(req: ParsedRequest, model: ServedModel, ids: list[int], logprobs: list[TokenLogprobs] | None,
+                  offset: int = 0) -> dict[str, Any] | None:  # fmt: skip
+    """A choice's `logprobs` for generated `ids` (None where the request asked for none): the completions API's
+    tokens / token_logprobs / top_logprobs / text_offset (`offset`: the text of the tokens before these, streaming),
+    or the chat API's content list, whose entries also carry each token's id (the completions API's top_logprobs
+    are dicts keyed by text, where two tokens of one text are one entry)."""
+    if logprobs is None or req.params.logprobs is None:
+        return None
+    texts = [token_text(model, t) for t in ids]
+    if req.kind == "completion":
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [_by_text(model, lp.top) for lp in logprobs],
+                "text_offset": offsets}  # fmt: skip
+
+    def entry(token_id: int, text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token_id}
+
+    return {"content": [{**entry(t, text, lp.logprob), "top_logprobs": [entry(i, token_text(model, i), v)
+                                                                         for i, v in lp.top]}
+                        for t, text, lp in zip(ids, texts, logprobs)]}  # fmt: skip
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The `usage` object of a response."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def response(req: ParsedRequest, model: ServedModel, outputs: list[tuple[list[int], str]]) -> dict[str, Any]:
-    """The whole (non-streamed) response: outputs[i] = (generated ids, finish reason) of prompt i."""
+def response(req: ParsedRequest, model: ServedModel,
+             outputs: list[tuple[list[int], str, list[TokenLogprobs] | None]]) -> dict[str, Any]:  # fmt: skip
+    """The whole (non-streamed) response: outputs[i] = (generated ids, finish reason, their logprobs) of prompt i."""
     if req.kind == "completion":
-        choices = [{"index": i, "text": decode(model, ids), "token_ids": ids, "logprobs": None, "finish_reason": reason}
-                   for i, (ids, reason) in enumerate(outputs)]  # fmt: skip
+        choices = [{"index": i, "text": decode(model, ids), "token_ids": ids,
+                    "logprobs": logprobs_body(req, model, ids, lps), "finish_reason": reason}
+                   for i, (ids, reason, lps) in enumerate(outputs)]  # fmt: skip
         head = {"id": f"cmpl-{req.request_id}", "object": "text_completion"}
     else:
-        ids, reason = outputs[0]
+        ids, reason, lps = outputs[0]
         choices = [{"index": 0, "message": {"role": "assistant", "content": decode(model, ids)}, "token_ids": ids,
-                    "logprobs": None, "finish_reason": reason}]  # fmt: skip
+                    "logprobs": logprobs_body(req, model, ids, lps), "finish_reason": reason}]  # fmt: skip
         head = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion"}
-    used = usage(sum(map(len, req.prompts)), sum(len(ids) for ids, _ in outputs))
+    used = usage(sum(map(len, req.prompts)), sum(len(ids) for ids, *_ in outputs))
     return {**head, "created": req.created, "model": model.name, "choices": choices, "usage": used}
 
 
 def chunk(req: ParsedRequest, model: ServedModel, index: int, *, text: str = "", token_ids: list[int] | None = None,
-          finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk of choice `index`: new text and token ids, and the finish reason on the last."""
+          finish_reason: str | None = None, first: bool = False, logprobs: dict[str, Any] | None = None
+          ) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk of choice `index`: new text and token ids (and their logprobs_body), and the finish reason
+    on the last."""
     ids = token_ids or []
     if req.kind == "completion":
-        choice = {"index": index, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish_reason}
         head = {"id": f"cmpl-{req.request_id}", "object": "text_completion"}
     else:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or ids else {})
-        choice = {"index": index, "delta": delta, "token_ids": ids, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "token_ids": ids, "logprobs": logprobs,
+                  "finish_reason": finish_reason}  # fmt: skip
         head = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion.chunk"}
     return {**head, "created": req.created, "model": model.name, "choices": [choice]}
 
