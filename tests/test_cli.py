@@ -47,6 +47,7 @@ def tpweave(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict
         (["bench", "serve", "--model", "tiny", "--request-rate", "0"], "rates must be > 0"),
         (["bench", "serve", "--model", "tiny", "--workload", "chatty"], "--workload 'chatty': choose from"),
         (["generate", "--model", "tiny", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["generate", "--model", "tiny", "--logprobs", "21"], "--logprobs must be in [0, 20], got 21"),
         (["report", "missing.json"], "missing.json: not a readable JSON file"),
         (["bench", "engine", "--model", "tiny", "--context", "50"], "--context 50 must exceed --num-iters"),
         (["bench", "engine", "--model", "tiny", "--prefill", "4096"], "--prefill 4096 need 4104 positions"),

@@ -2,6 +2,7 @@
 eager, through chunked prefill, mixed steps and preemption; bad requests are rejected alone."""
 
 import dataclasses
+import json
 import random
 
 import numpy as np
@@ -121,6 +122,8 @@ def test_generate_cli(capsys):
                 "--prompt-ids",
                 "",
                 "--no-compile",
+                "--logprobs",
+                "2",
             ]
         )
         == 0
@@ -128,6 +131,13 @@ def test_generate_cli(capsys):
     out = capsys.readouterr().out
     assert "[0] 3 prompt tokens -> [" in out and "(length)" in out
     assert "[1] rejected: empty prompt" in out
+    # each generated token of prompt 0 then its logprob and the 2 most likely tokens', every digit of each
+    lines = out.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("[0]"))
+    tokens = json.loads(lines[head].split("-> ")[1].split(" (")[0])
+    scored = [x.split() for x in lines[head + 1 : head + 4]]
+    assert [int(x[0].rstrip(":")) for x in scored] == tokens, out
+    assert all(float(x[1]) <= 0 and x[2] == "(top:" for x in scored), out
 
 
 @pytest.mark.gpu(gpus=1)

@@ -8,6 +8,7 @@ import random
 from tpweave.cli.common import check_invariant, model_config, rank_options
 from tpweave.cli.errors import EXIT_FAILED, EXIT_OK, CLIError
 from tpweave.cli.ranks import run_ranks
+from tpweave.engine.sequence import MAX_LOGPROBS
 from tpweave.log import progress
 from tpweave.models.config import DTYPES
 from tpweave.models.tokenizer import load_tokenizer
@@ -58,6 +59,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise CLIError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     check_invariant(args)
     tok = load_tokenizer(args.model)
     prompts = _prompts(args, cfg.vocab_size, tok)
@@ -74,7 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     }
     if args.num_layers:
         engine_kwargs["num_layers"] = args.num_layers
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed,
+                "logprobs": args.logprobs}  # fmt: skip
     results = run_ranks(generate_worker, args.model, prompts, sampling, engine_kwargs, opts=rank_options(args))[0]
     for i, (prompt, r) in enumerate(zip(prompts, results)):
         if r["error"]:
@@ -83,6 +87,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{i}] {tok.decode(prompt)!r} -> {tok.decode(r['token_ids'])!r} ({r['finish_reason']})")
         else:
             print(f"[{i}] {len(prompt)} prompt tokens -> {r['token_ids']} ({r['finish_reason']})")
+        for t, lp in zip(r["token_ids"], r["logprobs"] or []):  # every digit: runs compare bit for bit
+            top = ", ".join(f"{j}: {v!r}" for j, v in lp.top)
+            print(f"    {t}: {lp.logprob!r}" + (f"  (top: {top})" if top else ""))
     rejected = sum(1 for r in results if r["error"])
     if rejected:
         print(f"{rejected} of {len(results)} prompt(s) rejected")

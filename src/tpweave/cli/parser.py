@@ -248,6 +248,13 @@ def build_parser(commands: dict[str, Callable]) -> Parser:
         help="no CUDA graphs (neither the decode graphs nor the piecewise prefill graphs)",
     )
     gen.add_argument("--no-compile", action="store_true", help="run the model uncompiled")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="print each generated token's log-probability under the model, and the K most likely tokens' (0 to 20)",
+    )
     _invariant(gen)
     gen.set_defaults(fn=commands["generate"])
 
