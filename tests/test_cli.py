@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -343,6 +344,25 @@ def test_readme_launch_example_runs_as_written(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.fullmatch(r"greedy next token at each of the 127 positions: \[\d+(, \d+){126}\]\n", proc.stdout)
+
+
+def test_readme_reproducible_generation_example_gives_the_same_bits(tmp_path):
+    """The README's --invariant commands as written: the first prompt's tokens and logprobs alone and among others
+    ("batch"), and at TP 1 and TP 2 ("tp"), line for line the same."""
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "--invariant batch" in b)
+    commands = [line for line in block.splitlines() if line.startswith("tpweave generate")]
+    assert len(commands) == 4, block
+    firsts = []
+    for command in commands:
+        argv = [sys.executable, "-m", "tpweave", *shlex.split(command)[1:]]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stdout.splitlines()
+        first = lines[: next((i for i, x in enumerate(lines) if x.startswith("[1]")), len(lines))]
+        assert first[0].startswith("[0] 3 prompt tokens -> [") and len(first) == 5, proc.stdout
+        firsts.append(first)
+    assert firsts[0] == firsts[1] and firsts[2] == firsts[3], firsts
 
 
 def test_launch_without_a_main_guard_says_what_to_do(tmp_path):
