@@ -172,6 +172,11 @@ def test_openai_client_completions_chat_streaming_and_errors(tmp_path):
         ]
         assert lp.top_logprobs == [protocol._by_text(served, x.top) for x in alone["logprobs"]]
         assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0]) and choice.logprobs is None
+        stream = client.completions.create(model="m", prompt="hello world w1 w2", max_tokens=6, temperature=0,
+                                           logprobs=2, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+        assert [x for p in parts for x in p.text_offset] == lp.text_offset and len(parts) > 1
+        assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
         by_ids = client.completions.create(model="m", prompt=tok.encode("hello world w1 w2"), max_tokens=6,
                                            temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
         assert by_ids.choices[0].model_extra["token_ids"] == expected

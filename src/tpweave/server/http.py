@@ -241,7 +241,8 @@ class OpenAIServer:
             logprobs = None
             if ids and req.params.logprobs is not None:
                 logprobs = protocol.logprobs_body(req, self.model, ids, c.logprobs[len(c.ids) - len(ids) :], c.offset)
-                c.offset += sum(len(protocol.token_text(self.model, t)) for t in ids)
+                if req.kind == "completion":  # the next chunk's offsets start after these tokens' text
+                    c.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             data = protocol.chunk(req, self.model, i, text=self._new_text(c), token_ids=ids, finish_reason=c.reason,
                                   first=not started[i], logprobs=logprobs)  # fmt: skip
             started[i] = True
