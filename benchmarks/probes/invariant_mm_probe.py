@@ -102,6 +102,7 @@ def main() -> None:
         raise SystemExit(f"--tilings: unknown {unknown}; labels: {', '.join(TILINGS)}")
     chosen = {k: TILINGS[k] for k in args.tilings.split(",")}
     g = torch.Generator(device="cuda").manual_seed(0)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "invariant_mm_probe.json"
     tilings = {k: asdict(t) for k, t in chosen.items()}
     rows, inputs = [], {}

@@ -63,6 +63,7 @@ def main() -> None:
         del inputs
         release_engine(engine)
         del engine
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "invariant_step_profile.json"
     out.write_text(json.dumps(record, indent=1))
     print("wrote", out)
