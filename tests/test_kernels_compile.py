@@ -462,8 +462,19 @@ def test_invariant_attention_kernel_compiles(group, head_dim, paged):
                 assert f".maxnreg {lp.max_registers}" in kernel.asm["ptx"], lp
     fn = ik._merge_chunks_kernel
     for sub in (1, 4) if paged and group == 4 else (1,):
-        kernel = compile_kernel(fn, _attention_types(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS), num_warps=4)
+        kernel = compile_kernel(fn, _attention_types(fn), meta | dict(SUB=sub, D_BLOCK=ik.MERGE_COLUMNS, GROUP_LOADS=4),
+                                num_warps=4)  # fmt: skip
         assert "ld.global" in kernel.asm["ptx"] and not loads_before_wait(kernel)
+    # a decode's tile (16 rows): a group's 16 chunks' loads all issued before the first merge's exp (the loads before
+    # it against a group of 4's), without spills
+    few = meta | dict(TOKENS=max(1, ik.DECODE_ROWS // group_pad), D_BLOCK=min(head_dim, ik.MERGE_COLUMNS))
+    loads = {}
+    for group_loads in (4, ik.MERGE_GROUP_FEW_ROWS):
+        kernel = compile_kernel(fn, _attention_types(fn), few | dict(GROUP_LOADS=group_loads), num_warps=4)
+        loads[group_loads] = kernel.asm["ptx"].split("griddepcontrol.wait")[1].split("ex2.approx")[0].count("ld.global")
+        assert spill_bytes(kernel) in (0, None) and not loads_before_wait(kernel)
+    # per chunk more: its m, its l and its acc (one vector load or more)
+    assert loads[ik.MERGE_GROUP_FEW_ROWS] - loads[4] >= 3 * (ik.MERGE_GROUP_FEW_ROWS - 4), loads
 
 
 @pytest.mark.parametrize("split_k", [False, True])

@@ -293,32 +293,35 @@ def _check_invariant_kernels() -> None:
 
 
 def _check_merge_order() -> None:
-    """The split chunks' merge (_merge_chunks_kernel) folds the states in key order, whatever its unrolling and column
-    split: states whose maxima are all 0 (weights exactly 1) and whose values span 2**30 make the fold a plain fp32
-    sum, whose bits follow its order; chunks past the context (NaN here) are not read."""
+    """The split chunks' merge (_merge_chunks_kernel) folds the states in key order, whatever its unrolling (groups of
+    4 and 16 loads, a context past one group) and column split: states whose maxima are all 0 (weights exactly 1) and
+    whose values span 2**30 make the fold a plain fp32 sum, whose bits follow its order; chunks past the context (NaN
+    here) are not read."""
     import torch
 
     from tpweave.ops import invariant_kernels as ik
 
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, chunks = 8, 2, 64, 7
-    context = chunks * ik.KV_CHUNK - 10  # the last chunk partly filled
-    ws_ml = torch.stack([torch.zeros(chunks + 1, 1, heads), torch.full((chunks + 1, 1, heads), 0.25)], dim=1)
-    scale = 2.0 ** torch.randint(0, 30, (chunks + 1, 1, heads, dim), generator=gen)
-    ws_acc = torch.randn(chunks + 1, 1, heads, dim, generator=gen) * scale
-    ws_ml[chunks], ws_acc[chunks] = float("nan"), float("nan")
-    out = torch.empty(1, heads, dim)
-    tokens = ik.DECODE_ROWS // 4  # a decode's plan: 4 q heads (GROUP_PAD 4) per kv head
-    ik._merge_chunks_kernel[(2, kv_heads, dim // ik.MERGE_COLUMNS)](
-        out, ws_ml, ws_acc, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context], dtype=torch.int32), 1, 1,
-        out.stride(0), out.stride(1), GROUP=4, GROUP_PAD=4, TOKENS=tokens, HEAD_DIM=dim, CHUNK=ik.KV_CHUNK,
-        PAGED=True, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=False, D_BLOCK=ik.MERGE_COLUMNS,
-    )  # fmt: skip
-    in_order, swapped = torch.zeros(1, heads, dim), torch.zeros(1, heads, dim)
-    for c, other in zip(range(chunks), (0, 1, 3, 2, 4, 6, 5)):
-        in_order, swapped = in_order + ws_acc[c], swapped + ws_acc[other]
-    assert not torch.equal(in_order, swapped)  # the values tell the orders apart
-    assert torch.equal(out, in_order / (0.25 * chunks))
+    heads, kv_heads, dim = 8, 2, 64
+    for chunks, group_loads in ((7, 4), (19, ik.MERGE_GROUP_FEW_ROWS)):
+        context = chunks * ik.KV_CHUNK - 10  # the last chunk partly filled
+        ws_ml = torch.stack([torch.zeros(chunks + 1, 1, heads), torch.full((chunks + 1, 1, heads), 0.25)], dim=1)
+        scale = 2.0 ** torch.randint(0, 30, (chunks + 1, 1, heads, dim), generator=gen)
+        ws_acc = torch.randn(chunks + 1, 1, heads, dim, generator=gen) * scale
+        ws_ml[chunks], ws_acc[chunks] = float("nan"), float("nan")
+        out = torch.empty(1, heads, dim)
+        tokens = ik.DECODE_ROWS // 4  # a decode's plan: 4 q heads (GROUP_PAD 4) per kv head
+        ik._merge_chunks_kernel[(2, kv_heads, dim // ik.MERGE_COLUMNS)](
+            out, ws_ml, ws_acc, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context], dtype=torch.int32),
+            1, 1, out.stride(0), out.stride(1), GROUP=4, GROUP_PAD=4, TOKENS=tokens, HEAD_DIM=dim, CHUNK=ik.KV_CHUNK,
+            PAGED=True, SEQ_BLOCK=ik.SEQ_BLOCK, PDL=False, D_BLOCK=ik.MERGE_COLUMNS, GROUP_LOADS=group_loads,
+        )  # fmt: skip
+        in_order, swapped = torch.zeros(1, heads, dim), torch.zeros(1, heads, dim)
+        for c in range(chunks):
+            other = c ^ 1 if c < chunks - 1 else c  # neighbours swapped
+            in_order, swapped = in_order + ws_acc[c], swapped + ws_acc[other]
+        assert not torch.equal(in_order, swapped)  # the values tell the orders apart
+        assert torch.equal(out, in_order / (0.25 * chunks)), (chunks, group_loads)
 
 
 def test_invariant_kernels_in_the_interpreter():

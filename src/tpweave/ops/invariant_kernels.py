@@ -65,6 +65,9 @@ DECODE_ROWS = 16  # the same where a call's sequences hold few new tokens each: 
 SPLIT_BELOW_PROGRAMS = 264  # one program per key chunk where (tiles x kv heads) programs would not fill the GPU
 SEQ_BLOCK = 128  # sequences a program reads at a time while it finds its tile's sequence
 MERGE_COLUMNS = 32  # head dims per program of the split chunks' merge (head_dim / 32 programs per tile and kv head)
+# chunks' states the merge loads before it folds them: a decode's few programs wait one memory latency per group
+# (16: a 16-row tile's 32 columns of a state are 4 registers a thread; 4 where a tile has more rows)
+MERGE_GROUP_FEW_ROWS = 16
 # registers per thread of the 16-row plan: 4 programs of 4 warps an SM (ptxas takes 148 for llama3-8b's heads: 3;
 # 113 before the exps' sums moved to the tensor cores), so that a decode of 64 sequences (512 programs at 8 kv heads)
 # runs in one wave of 132 SMs, not 1.3. Only where ptxas fits the plan in them without spills (`_capped`): head dims
@@ -670,15 +673,33 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
+    def _four_states(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
+                     HEAD_DIM: tl.constexpr):  # fmt: skip
+        """Chunks c to c + 3's states, their loads issued together."""
+        s0 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads, HEAD_DIM)
+        s1 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 1, n, q_rows, heads, row_ok, d, num_tokens, num_heads, HEAD_DIM)
+        s2 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 2, n, q_rows, heads, row_ok, d, num_tokens, num_heads, HEAD_DIM)
+        s3 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 3, n, q_rows, heads, row_ok, d, num_tokens, num_heads, HEAD_DIM)
+        return s0, s1, s2, s3
+
+    @triton.jit
+    def _merge_four(m_i, l_i, acc, states):
+        """The state merged with four chunks' states (_four_states), in their order."""
+        for i in tl.static_range(4):
+            m_c, l_c, a_c = states[i]
+            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m_c, l_c, a_c)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _merge_chunks_kernel(o_ptr, ws_ml_ptr, ws_acc_ptr, cu_ptr, ctx_ptr, num_seqs, num_tokens, stride_om,
                             stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGED: tl.constexpr,
                             SEQ_BLOCK: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1,
-                            D_BLOCK: tl.constexpr = MERGE_COLUMNS):  # fmt: skip
+                            D_BLOCK: tl.constexpr = MERGE_COLUMNS, GROUP_LOADS: tl.constexpr = 4):  # fmt: skip
         """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program (the
         tile's SUB x TOKENS tokens at once: no product here), D_BLOCK columns a program (a column's merge is its own:
-        m and l are each row's, recomputed alike in every program). Four chunks' loads are issued before their four
-        merges, in order: a decode's few programs wait on one memory latency per four chunks, not per chunk."""
+        m and l are each row's, recomputed alike in every program). GROUP_LOADS (4, 8 or 16) chunks' loads are issued
+        before their merges, in order: a decode's few programs wait on one memory latency per group, not per chunk."""
         pdl.wait_and_release(PDL)  # the workspace is the kernel's just before
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -693,19 +714,22 @@ if triton is not None:
         l_i = tl.zeros([SUB * TOKENS * GROUP_PAD], tl.float32)
         acc = tl.zeros([SUB * TOKENS * GROUP_PAD, D_BLOCK], tl.float32)
         n = tl.cdiv(last, CHUNK)
-        for c in range(0, n, 4):
-            m0, l0, a0 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
-                                      HEAD_DIM)  # fmt: skip
-            m1, l1, a1 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 1, n, q_rows, heads, row_ok, d, num_tokens,
-                                      num_heads, HEAD_DIM)  # fmt: skip
-            m2, l2, a2 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 2, n, q_rows, heads, row_ok, d, num_tokens,
-                                      num_heads, HEAD_DIM)  # fmt: skip
-            m3, l3, a3 = _chunk_state(ws_ml_ptr, ws_acc_ptr, c + 3, n, q_rows, heads, row_ok, d, num_tokens,
-                                      num_heads, HEAD_DIM)  # fmt: skip
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m0, l0, a0)
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m1, l1, a1)
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m2, l2, a2)
-            m_i, l_i, acc = _merge_state(m_i, l_i, acc, m3, l3, a3)
+        for c in range(0, n, GROUP_LOADS):
+            s0 = _four_states(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads, HEAD_DIM)
+            if GROUP_LOADS >= 8:
+                s1 = _four_states(ws_ml_ptr, ws_acc_ptr, c + 4, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
+                                  HEAD_DIM)  # fmt: skip
+            if GROUP_LOADS >= 16:
+                s2 = _four_states(ws_ml_ptr, ws_acc_ptr, c + 8, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
+                                  HEAD_DIM)  # fmt: skip
+                s3 = _four_states(ws_ml_ptr, ws_acc_ptr, c + 12, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
+                                  HEAD_DIM)  # fmt: skip
+            m_i, l_i, acc = _merge_four(m_i, l_i, acc, s0)
+            if GROUP_LOADS >= 8:
+                m_i, l_i, acc = _merge_four(m_i, l_i, acc, s1)
+            if GROUP_LOADS >= 16:
+                m_i, l_i, acc = _merge_four(m_i, l_i, acc, s2)
+                m_i, l_i, acc = _merge_four(m_i, l_i, acc, s3)
         _store_rows(o_ptr, q_rows, heads, row_ok, l_i, acc, d, stride_om, stride_oh)
 
 
@@ -918,8 +942,9 @@ def attention(
     )  # fmt: skip
     if chunks > 1:
         d_block = min(head_dim, MERGE_COLUMNS)
+        few_rows = lp.subtiles * tokens * group_pad <= DECODE_ROWS
         _merge_chunks_kernel[(grid_tiles, num_kv, head_dim // d_block)](
             out, ws_ml, ws_acc, cu, ctx, num_seqs, num_tokens, out.stride(0), out.stride(1), **meta, D_BLOCK=d_block,
-            num_warps=4, launch_pdl=on,
+            GROUP_LOADS=MERGE_GROUP_FEW_ROWS if few_rows else 4, num_warps=4, launch_pdl=on,
         )  # fmt: skip
     return out
