@@ -82,6 +82,8 @@ def tiny_config(arch: str):
     kwargs |= PATTERN.get(arch, {})
     if "qk_rope_head_dim" in fields:  # MLA: the rotary part is the head_dim the rotary embedding sees
         kwargs[names["head_dim"]] = TINY["qk_rope_head_dim"]
+    if "kv_lora_rank" in fields:  # MLA: every query head has its own K and V, as in the released checkpoints
+        kwargs[names["num_key_value_heads"]] = kwargs[names["num_attention_heads"]]
     return CONFIG_MAPPING[arch](**kwargs)
 
 
