@@ -85,6 +85,7 @@ class Block(nn.Module):
             self.stream_w = nn.Parameter(
                 1 / num_streams + 0.1 * torch.randn(num_streams, HIDDEN, generator=gen), requires_grad=False
             )
+            self.stream_fn = nn.Parameter(_full(gen, num_streams, num_streams * HIDDEN), requires_grad=False)
 
     def _reduce(self, y):
         if self.reduce_op == "avg":
@@ -96,7 +97,13 @@ class Block(nn.Module):
     def forward(self, x, sdpa=None):
         b, s, _ = x.shape
         if self.num_streams:  # hyper-connection style: the residual copied into streams, then mixed
-            x = (x.unsqueeze(2).expand(-1, -1, self.num_streams, -1) * self.stream_w).sum(2)
+            streams = x.unsqueeze(2).expand(-1, -1, self.num_streams, -1)
+            # per-token stream weights from the flattened streams, a replicated linear times their mean square (HY-V4's
+            # hyper-connection): flatten(2) keeps both token dims, which one token alone ([1, 1, n, H] to [1, 1, n * H])
+            # leaves ambiguous
+            flat = streams.flatten(2)
+            pre = torch.sigmoid(F.linear(flat, self.stream_fn) * flat.pow(2).mean(-1, keepdim=True))
+            x = (pre.unsqueeze(-1) * streams * self.stream_w).sum(2)
         hx = self.norm1(x)
         q, k, v = (lin(hx).view(b, s, self.heads, self.hd).transpose(1, 2) for lin in (self.q, self.k, self.v))
         if sdpa is not None:  # rotary positions and an additive mask, both (batch, 1, ...)

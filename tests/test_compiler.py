@@ -101,8 +101,10 @@ def test_unknown_op_gathers_first_and_still_matches(foreign_reference):
 
 
 def test_residual_copied_into_streams_stays_sequence_parallel():
-    """Hyper-connection style residual: x.unsqueeze(2).expand(-1, -1, n, -1) mixed by per-stream weights.
-    The expand of a feature dim is token-wise: no gather before it, numbers equal eager TP and TP=1."""
+    """Hyper-connection style residual: x.unsqueeze(2).expand(-1, -1, n, -1) mixed by per-stream weights and by
+    per-token ones from a replicated linear over the flattened streams. The expand of a feature dim is token-wise,
+    and so is the linear's view of the tokens to one dim and back, one token included (the (1, 1) graph: [1, X] to
+    [1, 1, N] keeps the model's two token dims): no gather before them, numbers equal eager TP and TP=1."""
     reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, num_streams=3, nprocs=1)[0]["eager"]
     results = tpweave.launch(
         workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, num_streams=3, nprocs=2
@@ -110,8 +112,10 @@ def test_residual_copied_into_streams_stays_sequence_parallel():
     _check_foreign(results, reference)
     for _variant, before, after, _sites, notes in results[0]["graphs"]:
         assert before == {"all_reduce": 4}
-        assert after == {"ag_mm": 4, "mm_rs": 4}, results[0]["report"]
-        assert not any("expand" in n for n in notes), notes
+        # the second block's stream linear reads every token through a gather of its own (a matmul's local weight
+        # could be a column shard, which needs all tokens)
+        assert after == {"ag_mm": 5, "mm_rs": 4}, results[0]["report"]
+        assert not any("expand" in n or "gathered first" in n for n in notes), notes
 
 
 def test_moe_model_with_flattened_tokens_and_a_token_shift():

@@ -99,6 +99,9 @@ class SequenceParallelPass:
         self.shards: dict[fx.Node, Shard] = {}
         self.gathered: dict[tuple, fx.Node] = {}  # (local node, token sizes) -> replicated node
         self.replaced: set[fx.Node] = set()
+        # token dims of the first all-reduce made a reduce-scatter (1 for packed tokens, 2 for (batch, seq)): which
+        # layout a view to leading size-1 dims means, where the sizes alone cannot tell (one token: [1, X] to [1, 1, X])
+        self.model_token_dims: int | None = None
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -160,6 +163,8 @@ class SequenceParallelPass:
         rs = self.edit.insert(
             tpw.reduce_scatter_tokens.default, (x, k, self.cfg.group_name, self.cfg.world_size), before=wait
         )
+        if self.model_token_dims is None:
+            self.model_token_dims = k
         self.shards[wait] = Shard(rs, token_sizes)
         self.replaced |= {wait, ar}
         self.report.add(
@@ -396,9 +401,12 @@ class SequenceParallelPass:
         k = sh.num_token_dims
         in_shape, out_shape = val(x).shape, val(node).shape
         num_tokens = prod(in_shape[:k])
-        j = next((j for j in range(1, len(out_shape) + 1) if same(prod(out_shape[:j]), num_tokens)), None)
-        if j is None:
+        # the token dims' count j: out_shape[:j] holds the tokens; several j do where size-1 dims follow them (one
+        # token per sequence, or one token in all), and the model's own layout, where one of them, is the one meant
+        fits = [j for j in range(1, len(out_shape) + 1) if same(prod(out_shape[:j]), num_tokens)]
+        if not fits:
             raise NotTokenWise("view mixes token and feature dims")
+        j = self.model_token_dims if self.model_token_dims in fits else fits[0]
         feats = list(out_shape[j:])
         if not all(isinstance(f, int) for f in feats):
             raise NotTokenWise("view with symbolic feature dims")
