@@ -698,7 +698,7 @@ if triton is not None:
                             D_BLOCK: tl.constexpr = MERGE_COLUMNS, GROUP_LOADS: tl.constexpr = 4):  # fmt: skip
         """The chunks' states merged in key order, as _invariant_attention_kernel merges them in one program (the
         tile's SUB x TOKENS tokens at once: no product here), D_BLOCK columns a program (a column's merge is its own:
-        m and l are each row's, recomputed alike in every program). GROUP_LOADS (4, 8 or 16) chunks' loads are issued
+        m and l are each row's, recomputed alike in every program). GROUP_LOADS (4 or 16) chunks' loads are issued
         before their merges, in order: a decode's few programs wait on one memory latency per group, not per chunk."""
         pdl.wait_and_release(PDL)  # the workspace is the kernel's just before
         tile = tl.program_id(0)
@@ -714,20 +714,19 @@ if triton is not None:
         l_i = tl.zeros([SUB * TOKENS * GROUP_PAD], tl.float32)
         acc = tl.zeros([SUB * TOKENS * GROUP_PAD, D_BLOCK], tl.float32)
         n = tl.cdiv(last, CHUNK)
+        tl.static_assert((GROUP_LOADS == 4) | (GROUP_LOADS == 16))
         for c in range(0, n, GROUP_LOADS):
             s0 = _four_states(ws_ml_ptr, ws_acc_ptr, c, n, q_rows, heads, row_ok, d, num_tokens, num_heads, HEAD_DIM)
-            if GROUP_LOADS >= 8:
+            if GROUP_LOADS == 16:
                 s1 = _four_states(ws_ml_ptr, ws_acc_ptr, c + 4, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
                                   HEAD_DIM)  # fmt: skip
-            if GROUP_LOADS >= 16:
                 s2 = _four_states(ws_ml_ptr, ws_acc_ptr, c + 8, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
                                   HEAD_DIM)  # fmt: skip
                 s3 = _four_states(ws_ml_ptr, ws_acc_ptr, c + 12, n, q_rows, heads, row_ok, d, num_tokens, num_heads,
                                   HEAD_DIM)  # fmt: skip
             m_i, l_i, acc = _merge_four(m_i, l_i, acc, s0)
-            if GROUP_LOADS >= 8:
+            if GROUP_LOADS == 16:
                 m_i, l_i, acc = _merge_four(m_i, l_i, acc, s1)
-            if GROUP_LOADS >= 16:
                 m_i, l_i, acc = _merge_four(m_i, l_i, acc, s2)
                 m_i, l_i, acc = _merge_four(m_i, l_i, acc, s3)
         _store_rows(o_ptr, q_rows, heads, row_ok, l_i, acc, d, stride_om, stride_oh)
