@@ -104,7 +104,9 @@ def test_residual_copied_into_streams_stays_sequence_parallel():
     """Hyper-connection style residual: x.unsqueeze(2).expand(-1, -1, n, -1) mixed by per-stream weights and by
     per-token ones from a replicated linear over the flattened streams. The expand of a feature dim is token-wise,
     and so is the linear's view of the tokens to one dim and back, one token included (the (1, 1) graph: [1, X] to
-    [1, 1, N] keeps the model's two token dims): no gather before them, numbers equal eager TP and TP=1."""
+    [1, 1, N] keeps the model's two token dims): no gather before them, numbers equal eager TP and TP=1. The stream
+    linear's product only weighs the sharded streams, so it runs on this rank's tokens: no gather of the n * H
+    flattened streams either."""
     reference = tpweave.launch(workers.foreign_model_outputs, FOREIGN_SHAPES, num_streams=3, nprocs=1)[0]["eager"]
     results = tpweave.launch(
         workers.foreign_model_outputs, FOREIGN_SHAPES, {"sp_min_tokens": 0}, num_streams=3, nprocs=2
@@ -112,9 +114,11 @@ def test_residual_copied_into_streams_stays_sequence_parallel():
     _check_foreign(results, reference)
     for _variant, before, after, _sites, notes in results[0]["graphs"]:
         assert before == {"all_reduce": 4}
-        # the second block's stream linear reads every token through a gather of its own (a matmul's local weight
-        # could be a column shard, which needs all tokens)
-        assert after == {"ag_mm": 5, "mm_rs": 4}, results[0]["report"]
+        # the gathers before the column-parallel products after the first all-reduce and the head's; none for a stream
+        # linear
+        assert after == {"ag_mm": 4, "mm_rs": 4}, results[0]["report"]
+        # the second block's stream linear (the first one's reads the embeddings, replicated)
+        assert [s[:2] for s in _sites if s[0] == "matmul"] == [("matmul", "sequence-parallel")], _sites
         assert not any("expand" in n or "gathered first" in n for n in notes), notes
 
 

@@ -7,9 +7,21 @@ as the node `local`.
 - token-wise ops (pointwise, casts, reductions/softmax/norms over feature dims, views, slices and
   expands that keep the token dims leading) run on the Shard; a replicated activation of the same tokens
   that meets a Shard is sliced locally (no communication).
+- a matmul whose rows are a Shard's (mm(x, W), addmm(b, x, W); W not sharded) runs on the Shard where every
+  reader of its product takes it token-wise until it meets a value already sharded: a replicated linear whose
+  product only weighs the sharded stream (a hyper-connection's mixing weights from the flattened streams) moves
+  no tokens. Where a reader needs all tokens (attention after a column-parallel projection, a row-parallel
+  product's all-reduce, a router's top-k) the input is gathered first instead, so async TP fuses the gather.
 - any other consumer (matmuls, attention, graph outputs, ops we do not know) gets one
   all_gather_tokens per Shard node, inserted right before the first consumer and shared by all.
 Nothing is guessed: an op that is not known to be token-wise gathers first and the report says so.
+
+A replicated linear over the flattened streams, before and after (T tokens, r = T/TP rows a rank, n streams):
+    s = reduce_scatter_tokens(...)               (r, H)         s = reduce_scatter_tokens(...)   (r, H)
+    f = view(expand(s), [T, n*H])                (T, n*H)       f = view(expand(s), [r, n*H])   (r, n*H)
+    g = all_gather_tokens(f)                     (T, n*H)
+    w = mm(g, W)                                 (T, n)         w = mm(f, W)                    (r, n)
+    y = mul(shard_tokens(w), ...)                (r, n)         y = mul(w, ...)                 (r, n)
 """
 
 from __future__ import annotations
@@ -64,6 +76,38 @@ REDUCTIONS = {
 }
 SOFTMAXES = {aten._softmax.default, aten._log_softmax.default}
 NORMS = {aten.native_layer_norm.default, aten._fused_rms_norm.default}
+DIM_OPS = {
+    aten.unsqueeze.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.squeeze.dim,
+    aten.permute.default,
+    aten.expand.default,
+    aten.cat.default,
+}
+# matmuls whose output rows are one operand's rows (the operand's index): row-wise in that operand
+ROW_PRODUCTS = {aten.mm.default: 0, aten.addmm.default: 1}
+# how far the search for a reader that needs all tokens follows a product's readers before it assumes one does
+_READER_DEPTH = 64
+
+
+def _may_be_token_wise(node: fx.Node) -> bool:
+    """Whether a rule of the pass may keep `node` sharded (its operands' placements decide)."""
+    t = node.target
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return (
+        torch.Tag.pointwise in t.tags
+        or t in SAME_SHAPE_OPS
+        or t in REDUCTIONS
+        or t in SOFTMAXES
+        or t in NORMS
+        or t in VIEW_OPS
+        or t in DIM_OPS
+    )
 
 
 @dataclass
@@ -102,10 +146,15 @@ class SequenceParallelPass:
         # token dims of the first all-reduce made a reduce-scatter (1 for packed tokens, 2 for (batch, seq)): which
         # layout a view to leading size-1 dims means, where the sizes alone cannot tell (one token: [1, X] to [1, 1, X])
         self.model_token_dims: int | None = None
+        self.from_reduce_scatters: set[fx.Node] = set()  # set by run(): nodes the rules may shard without a product
+        self.reads_whole: dict[fx.Node, bool] = {}  # memo of _read_whole
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> None:
         """Visit every node in graph order, gather the Shards the graph outputs, then erase the replaced nodes."""
+        self.from_reduce_scatters = self._reachable_token_wise(
+            [n for n in self.graph.nodes if n.target is funcol.wait_tensor.default and self._is_all_reduce(n.args[0])]
+        )
         for node in list(self.graph.nodes):
             if node.op == "output":
                 self._gather_inputs(node, why="graph output")
@@ -120,6 +169,8 @@ class SequenceParallelPass:
             self._all_reduce(node)
             return
         if not any(a in self.shards for a in node.all_input_nodes):
+            return
+        if node.target in ROW_PRODUCTS and self._local_product(node):
             return
         try:
             shard = self._token_wise(node)
@@ -173,6 +224,64 @@ class SequenceParallelPass:
             "sequence-parallel",
             "reduce_scatter_tokens; token-wise ops after it on 1/TP of the tokens",
         )
+
+    # ---- products on the shard ----------------------------------------------------------------
+    def _reachable_token_wise(self, roots: list[fx.Node]) -> set[fx.Node]:
+        """The roots and every node reached from them through readers a token-wise rule may keep sharded."""
+        seen: set[fx.Node] = set()
+        stack = list(roots)
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(u for u in n.users if _may_be_token_wise(u))
+        return seen
+
+    def _local_product(self, node: fx.Node) -> bool:
+        """Run a matmul on the Shard of its row operand (its rows are the tokens, its other operands not sharded)
+        where no reader of the product needs all tokens; False to leave it to the gather."""
+        i = ROW_PRODUCTS[node.target]
+        x = node.args[i]
+        if not (isinstance(x, fx.Node) and x in self.shards) or self.shards[x].num_token_dims != 1:
+            return False
+        if any(a in self.shards for a in node.all_input_nodes if a is not x) or x in node.args[i + 1 :]:
+            return False
+        if isinstance(val(self.shards[x].local), (tuple, list)) or self._read_whole(node, 0):
+            return False
+        sh = self.shards[x]
+        args = list(node.args)
+        args[i] = sh.local
+        self.shards[node] = self._replace(node, tuple(args), sh.token_sizes)
+        self.replaced.add(node)
+        self.report.add(
+            "matmul",
+            node,
+            "sequence-parallel",
+            "rows of a sharded input; every reader takes the product token-wise: on 1/TP of the tokens, no gather",
+        )
+        return True
+
+    def _read_whole(self, node: fx.Node, depth: int) -> bool:
+        """Whether a reader of `node`, were it sharded, would need all its tokens: a graph output, a matmul's other
+        operand, attention, an all-reduce, an op no rule keeps sharded, found through token-wise readers and
+        row-wise products up to the first reader the rules shard anyway (one that meets a reduce-scattered value)."""
+        if node in self.reads_whole:
+            return self.reads_whole[node]
+        whole = depth > _READER_DEPTH
+        for u in node.users if not whole else ():
+            if u in self.from_reduce_scatters:
+                continue  # sharded without this product too: the readers after it are as they were
+            row_operand = u.args[ROW_PRODUCTS[u.target]] if u.target in ROW_PRODUCTS else None
+            if u.op == "output" or not (row_operand is node or _may_be_token_wise(u)):
+                whole = True
+            elif row_operand is node and any(a is node for a in u.args[ROW_PRODUCTS[u.target] + 1 :]):
+                whole = True
+            else:
+                whole = self._read_whole(u, depth + 1)
+            if whole:
+                break
+        self.reads_whole[node] = whole
+        return whole
 
     # ---- gathers ------------------------------------------------------------------------------
     def _full(self, node: fx.Node, *, before: fx.Node) -> fx.Node:
