@@ -640,13 +640,15 @@ def test_invariant_batched_matmul_gives_an_element_the_same_bits_at_every_shape_
 
 class _EagerAttention(torch.nn.Module):
     """A Hugging Face model's eager attention: scores by torch.matmul (a bmm in the graph) or by baddbmm over an
-    ALiBi-like bias (BLOOM), a causal and padding mask, softmax, torch.matmul with the values."""
+    ALiBi-like bias (BLOOM), a causal and padding mask, softmax, torch.matmul with the values. sinks: a learned logit
+    per head appended to each row of scores before the softmax and dropped after it (gpt-oss, HY-V4)."""
 
-    def __init__(self, baddbmm: bool, heads: int = 4, head_dim: int = 64):
+    def __init__(self, baddbmm: bool, sinks: bool = False, heads: int = 4, head_dim: int = 64):
         super().__init__()
         self.heads, self.head_dim, self.baddbmm = heads, head_dim, baddbmm
         self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim, bias=False)
         self.slopes = torch.nn.Parameter(torch.rand(heads, 1, 1))
+        self.sinks = torch.nn.Parameter(torch.randn(heads)) if sinks else None
 
     def forward(self, x, mask):
         b, s, _ = x.shape
@@ -660,17 +662,25 @@ class _EagerAttention(torch.nn.Module):
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         keep = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & mask[:, None, None, :].bool()
-        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        if self.sinks is None:
+            p = torch.softmax(scores, dim=-1)
+        else:  # the sink after the row's padded keys
+            logits = torch.cat([scores, self.sinks.reshape(1, -1, 1, 1).expand(b, -1, s, 1)], dim=-1)
+            p = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
         return torch.matmul(p, v).transpose(1, 2).reshape(b, s, -1)
 
 
-@pytest.mark.parametrize("baddbmm", [False, True], ids=["matmul", "baddbmm"])
-def test_eager_attention_batched_matmuls_are_made_invariant(baddbmm):
+@pytest.mark.parametrize(
+    "baddbmm,sinks", [(False, False), (True, False), (False, True)], ids=["matmul", "baddbmm", "sinks"]
+)
+def test_eager_attention_batched_matmuls_are_made_invariant(baddbmm, sinks):
     """Eager attention's batched matmuls (compiler/invariant.py: bmm and baddbmm swapped for tpweave's): a sequence's
     outputs alone are the same bits as its row of a right-padded batch, whose padding keys are masked (the scores' and
-    the values' products over the padded key length), at both levels; the numbers are the model's."""
+    the values' products over the padded key length), at both levels; the numbers are the model's. With a sink logit
+    after the padded keys, the softmax's sum is split at the concatenation (each part's padding trailing)."""
     torch.manual_seed(0)
-    model = _EagerAttention(baddbmm).eval()
+    model = _EagerAttention(baddbmm, sinks).eval()
     g = torch.Generator().manual_seed(1)
     for level in ("batch", "tp"):
         torch._dynamo.reset()  # Dynamo's recompile limit counts every compile of this model class in the process
@@ -690,6 +700,8 @@ def test_eager_attention_batched_matmuls_are_made_invariant(baddbmm):
                     assert torch.equal(got, alone[0]), (level, length, others, (got - alone[0]).abs().max())
         swapped = tpweave.report(compiled).graphs[-1].invariant["swapped"]
         assert swapped.get("aten.baddbmm.default" if baddbmm else "aten.bmm.default") == (1 if baddbmm else 2)
+        split = [n for n in swapped if n.startswith("sum over a concatenation")]
+        assert [swapped[n] for n in split] == ([1] if sinks else []), swapped
 
 
 @torch.library.custom_op("tpwtest::rows_centered", mutates_args=())

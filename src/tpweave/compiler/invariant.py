@@ -44,11 +44,21 @@ GPU, a fused FP8 matmul, a collective that sums in the backend's order), and eve
 higher-order op the pass does not know (what it does across rows is unknown: a mixture of experts' grouped matmul is
 batch-dependent) are listed in the report as not invariant; with strict=True they raise.
 
+A sum over a concatenation's dim (through pointwise ops whose other operands broadcast along it) sums each part
+on its own, then the parts in order: a softmax over attention scores with a sink logit appended (gpt-oss, HY-V4) has
+the sink after the batch's key padding, so a fused sum over the whole row would put the sink elsewhere in its order
+at every padded length; each part's padding is trailing (exact zeros, as above).
+    c = cat([scores, sink], -1)                     c = cat([scores, sink], -1); m = amax(c)  (as before)
+    e = exp(c - m)                                  e_0 = exp(c[..., :T] - m); e_1 = exp(c[..., T:] - m)
+    z = sum(e, [-1], True)                          z = sum(e_0, [-1], True) + sum(e_1, [-1], True)
+
 A token dim of size 1 gets a graph of its own; Inductor reduces its one row as the other graphs do their rows under
 the config patches CompileOptions.inductor_config adds in this mode (compiler/options.py _ONE_ROW_AS_MANY).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -86,6 +96,16 @@ NOT_INVARIANT = {
 }
 
 
+def decompositions() -> dict:
+    """Inductor's decomposition table without its matmul decompositions, for this mode's compiles. Inductor turns some
+    matmuls of size-1 dims into a multiply and a sum (on the CPU a bmm of one row by one column: a one-token prompt's
+    attention score), which the pass would not see as matmuls: the row would be reduced otherwise than among others."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    matmuls = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+    return {op: fn for op, fn in select_decomp_table().items() if getattr(op, "overloadpacket", None) not in matmuls}
+
+
 class NotInvariant(RuntimeError):
     """A graph compiled with invariant set and strict=True holds an op the pass cannot make invariant."""
 
@@ -111,6 +131,9 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         gated = _gate_products(graph)
         if gated:
             swapped["silu(gate) * up + mm"] = gated
+    split = _split_sums_over_cats(graph)
+    if split:
+        swapped["sum over a concatenation: each part's sum, then the parts in order"] = split
     swaps = {**SWAPS, aten.mm.default: tpw.tp_invariant_mm.default} if tp else SWAPS
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -152,6 +175,73 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         if strict:
             raise NotInvariant(msg)
         report.notes.append(msg)
+
+
+def _split_sums_over_cats(graph: fx.Graph) -> int:
+    """sum(f(cat(parts, d)), [d]) -> sum(f(part_0), [d]) + sum(f(part_1), [d]) + ... (module doc), f pointwise with
+    its other operands of size 1 along d; how many sums were split."""
+    edit = GraphEditor(graph)
+    count = 0
+    for node in list(graph.nodes):
+        if node.target is not aten.sum.dim_IntList or len(node.args) < 2 or len(node.args[1] or ()) != 1:
+            continue
+        x = node.args[0]
+        d = node.args[1][0] % val(x).dim()
+        parts = _cat_parts(x, d, edit, before=node, depth=0)
+        if parts is None:
+            continue
+        total = None
+        for part in parts:
+            one = edit.insert(aten.sum.dim_IntList, (part, *node.args[1:]), dict(node.kwargs), before=node)
+            total = one if total is None else edit.insert(aten.add.Tensor, (total, one), before=node)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _cat_parts(x: fx.Node, d: int, edit: GraphEditor, *, before: fx.Node, depth: int) -> list[fx.Node] | None:
+    """x's parts along dim d where x is a concatenation along d, or a pointwise op of one (its only operand of more than
+    one element along d); None otherwise. A pointwise op's parts are new nodes: the op applied to each part."""
+    if not isinstance(x, fx.Node) or x.op != "call_function" or depth > 16:
+        return None
+    ndim = val(x).dim()
+    if x.target is aten.cat.default:
+        dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+        if dim % ndim != d or len(x.args[0]) < 2:
+            return None
+        # slices of the concatenation, not its inputs: Inductor writes each input into its slice of the result, and an
+        # input with a reader of its own besides the cat made it reuse that slice's memory while still in use
+        parts, start = [], 0
+        for part in x.args[0]:
+            size = edit.size_arg(part, d, before=before)
+            end = start + size if isinstance(start, int) and isinstance(size, int) else None
+            if end is None:
+                end = size if start == 0 else edit.insert(operator.add, (start, size), before=before)
+            parts.append(edit.insert(aten.slice.Tensor, (x, d, start, end), before=before))
+            start = end
+        return parts
+    t = x.target
+    if not isinstance(t, torch._ops.OpOverload) or not (torch.Tag.pointwise in t.tags or t in SAME_SHAPE_OPS):
+        return None
+    along = []
+    for a in x.all_input_nodes:
+        v = val(a)
+        if not isinstance(v, torch.Tensor):
+            return None
+        i = d - (ndim - v.dim())  # a's dim broadcast to d (broadcasting aligns trailing dims)
+        if i >= 0 and not (isinstance(v.shape[i], int) and v.shape[i] == 1):
+            along.append(a)
+    if len(along) != 1 or val(along[0]).dim() != ndim or any(isinstance(v, fx.Node) for v in x.kwargs.values()):
+        return None
+    parts = _cat_parts(along[0], d, edit, before=before, depth=depth + 1)
+    if parts is None:
+        return None
+    carrier = along[0]
+    return [
+        edit.insert(t, tuple(part if a is carrier else a for a in x.args), dict(x.kwargs), before=before)
+        for part in parts
+    ]
 
 
 def _gate_products(graph: fx.Graph) -> int:

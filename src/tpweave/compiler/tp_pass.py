@@ -165,11 +165,14 @@ class TPBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(self.inductor_config)
+        decompositions = None
         if tp_pass is not None:
             # The report is written by the pass: a cache hit would skip it, so compile for real.
             patches |= {"post_grad_custom_pre_pass": tp_pass, "fx_graph_cache": False}
+            if self.options.invariant is not None:
+                decompositions = invariant.decompositions()  # every matmul reaches the invariant pass as one
         with torch._functorch.config.patch(enable_autograd_cache=False), _partition_wrapper(self.piecewise_graphs):
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
 
     def _note(self, graph_report: GraphReport, msg: str) -> None:
         logger.warning("[%s] %s", self.variant, msg)
