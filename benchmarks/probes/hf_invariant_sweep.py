@@ -115,13 +115,15 @@ def main() -> None:
     parser.add_argument("archs", help="comma-separated transformers model types (llama,gpt2,mixtral)")
     parser.add_argument("--level", choices=("batch", "tp"), default="batch")
     parser.add_argument("--tp", type=int, default=1, help="ranks (gloo), the model under its own TP plan from 2")
+    parser.add_argument("--timeout-s", type=float, default=1800, help="seconds an architecture may take (default 1800)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         try:
             result = one(args.archs, args.level, args.tp)
         except Exception as e:  # noqa: BLE001  (a probe: report and go on)
-            result = {"error": f"{type(e).__name__}: {e}"[:400], "traceback": traceback.format_exc()[-800:]}
+            # the message's end: a rank's traceback ends with the exception that stopped it
+            result = {"error": f"{type(e).__name__}: {e}"[-600:], "traceback": traceback.format_exc()[-800:]}
         print("RESULT", json.dumps(result), flush=True)
         return
     import transformers
@@ -132,9 +134,13 @@ def main() -> None:
     print("PROVENANCE", json.dumps(provenance | {"level": args.level, "tp": args.tp}), flush=True)
     for arch in args.archs.split(","):
         command = [sys.executable, __file__, arch, "--one", "--level", args.level, "--tp", str(args.tp)]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-        lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-        result = json.loads(lines[-1][7:]) if lines else {"error": f"exit {run.returncode}: {run.stderr[-300:]}"}
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            result = {"error": f"timed out after {args.timeout_s:g} s"}
+        else:
+            lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+            result = json.loads(lines[-1][7:]) if lines else {"error": f"exit {run.returncode}: {run.stderr[-300:]}"}
         if "equal" not in result:
             result["verdict"] = "error"
         elif result["not_invariant"]:
