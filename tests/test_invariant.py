@@ -772,6 +772,43 @@ def test_a_token_alone_is_reduced_as_among_others_a_short_softmax():
             assert torch.equal(together[0, i], alone[0, 0]), (i, (together[0, i] - alone[0, 0]).abs().max())
 
 
+def test_a_rotary_embedding_by_complex_multiplication_is_batch_invariant():
+    """A rotary embedding by complex multiplication (Meta's Llama code, DeepSeek-V2, Llama 4): Inductor leaves a complex
+    product to ATen, whose CPU kernel rounds the elements of its vector loop and those of its scalar tail otherwise, so
+    a token's bits depended on the tensor's length (here the 4 last complex elements of a sequence of 5 or 37 tokens
+    alone). In invariant mode the product is written out in real arithmetic: the same bits alone and among others,
+    the model's numbers."""
+
+    class ComplexRope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(64, 64, bias=False)
+            angles = torch.outer(torch.arange(128.0), 1e4 ** (-torch.arange(0, 8, 2) / 8))
+            self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))  # [positions, 4]
+
+        def forward(self, x):  # x [B, S, 64]: 8 heads of 8
+            b, s, _ = x.shape
+            q = self.q(x).view(b, s, 8, 8).transpose(1, 2)
+            q = torch.view_as_complex(q.reshape(b, 8, s, 4, 2).contiguous())  # [B, heads, S, 4]
+            return torch.view_as_real(q * self.freqs[:s].view(1, 1, s, 4)).flatten(3)
+
+    torch.manual_seed(0)
+    model = ComplexRope().eval()
+    compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
+    with torch.no_grad():
+        for n in (1, 5, 37):
+            seq = torch.randn(n, 64)
+            alone = compiled(seq[None])
+            torch.testing.assert_close(alone, model(seq[None]))
+            for b, s in ((2, 40), (3, 101)):
+                x = torch.randn(b, s, 64)
+                x[-1, :n] = seq
+                got = compiled(x)[-1, :, :n]
+                assert torch.equal(got, alone[0]), (n, b, s, (got != alone[0]).sum().item())
+    swapped = [g.invariant["swapped"] for g in tpweave.report(compiled).graphs]
+    assert all(s.get("complex mul on a CPU: in real arithmetic") == 1 for s in swapped), swapped
+
+
 @pytest.mark.gpu(gpus=1)
 def test_invariant_triton_kernels_give_a_row_the_same_bits_at_every_m_on_the_gpu():
     """ops/invariant_kernels.py compiled on the GPU (bf16, llama3-8b's shapes): a row's matmul result alone, among

@@ -52,6 +52,15 @@ at every padded length; each part's padding is trailing (exact zeros, as above).
     e = exp(c - m)                                  e_0 = exp(c[..., :T] - m); e_1 = exp(c[..., T:] - m)
     z = sum(e, [-1], True)                          z = sum(e_0, [-1], True) + sum(e_1, [-1], True)
 
+A product of two complex tensors on a CPU (a rotary embedding by complex multiplication: Meta's Llama code,
+DeepSeek-V2, Llama 4) is written out in real arithmetic. Inductor does not generate code for complex ops, and ATen's
+CPU kernel rounds the elements of its vector loop otherwise than those of its scalar tail: an element's bits depended
+on where the tensor's length put it (found on AVX-512; on a GPU every element goes through one function).
+    p = mul(a, b)   (complex)                       ar = view_as_real(a); br = view_as_real(b)
+                                                    re = ar[..., 0] * br[..., 0] - ar[..., 1] * br[..., 1]
+                                                    im = ar[..., 0] * br[..., 1] + ar[..., 1] * br[..., 0]
+                                                    p = view_as_complex(cat([re[..., None], im[..., None]], -1))
+
 A token dim of size 1 gets a graph of its own; Inductor reduces its one row as the other graphs do their rows under
 the config patches CompileOptions.inductor_config adds in this mode (compiler/options.py _ONE_ROW_AS_MANY).
 """
@@ -131,6 +140,9 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         gated = _gate_products(graph)
         if gated:
             swapped["silu(gate) * up + mm"] = gated
+    complex_products = _real_complex_products(graph)
+    if complex_products:
+        swapped["complex mul on a CPU: in real arithmetic"] = complex_products
     split = _split_sums_over_cats(graph)
     if split:
         swapped["sum over a concatenation: each part's sum, then the parts in order"] = split
@@ -175,6 +187,39 @@ def make_batch_invariant(graph: fx.Graph, *, report: GraphReport, strict: bool, 
         if strict:
             raise NotInvariant(msg)
         report.notes.append(msg)
+
+
+def _real_complex_products(graph: fx.Graph) -> int:
+    """Each product of two complex CPU tensors written out in real arithmetic (module doc); how many."""
+    edit = GraphEditor(graph)
+    done = 0
+    for node in list(graph.nodes):
+        if node.target is not aten.mul.Tensor or len(node.args) != 2:
+            continue
+        a, b = node.args
+        va, vb = val(a), val(b)
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and isinstance(a, fx.Node)):
+            continue
+        if not (va.is_complex() and vb.is_complex() and va.device.type == "cpu" and va.dtype == vb.dtype):
+            continue
+
+        def parts(x: fx.Node) -> tuple[fx.Node, fx.Node]:
+            r = edit.insert(aten.view_as_real.default, (x,), before=node)
+            return tuple(edit.insert(aten.select.int, (r, -1, i), before=node) for i in (0, 1))
+
+        def op(target, x, y):
+            return edit.insert(target, (x, y), before=node)
+
+        (ar, ai), (br, bi) = parts(a), parts(b)
+        re = op(aten.sub.Tensor, op(aten.mul.Tensor, ar, br), op(aten.mul.Tensor, ai, bi))
+        im = op(aten.add.Tensor, op(aten.mul.Tensor, ar, bi), op(aten.mul.Tensor, ai, br))
+        halves = [edit.insert(aten.unsqueeze.default, (x, -1), before=node) for x in (re, im)]
+        pair = edit.insert(aten.cat.default, (halves, -1), before=node)
+        product = edit.insert(aten.view_as_complex.default, (pair,), before=node)
+        node.replace_all_uses_with(product)
+        graph.erase_node(node)
+        done += 1
+    return done
 
 
 def _split_sums_over_cats(graph: fx.Graph) -> int:
