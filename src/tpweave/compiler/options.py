@@ -174,6 +174,10 @@ _ONE_ROW_AS_MANY = {
     "cpp.min_chunk_size": 1 << 62,  # no CPU kernel parallel over a reduction (nor over rows: row-wise work is small)
     "cpp.use_two_step_variance_threshold": 0,  # Welford at every row count
     "triton.use_two_step_variance_threshold": 0,
+    # No CPU kernel vectorized: a loop Inductor vectorizes in one graph and not in another (a softmax's sink logit, one
+    # element a row: vectorized over the heads of a one-token graph, scalar among many rows) computes exp and the other
+    # transcendental functions by SLEEF there and by libm here, an ulp apart. On a GPU every kernel calls one function.
+    "cpp.simdlen": 1,
 }
 
 
