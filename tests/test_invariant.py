@@ -643,9 +643,9 @@ class _EagerAttention(torch.nn.Module):
     ALiBi-like bias (BLOOM), a causal and padding mask, softmax, torch.matmul with the values. sinks: a learned logit
     per head appended to each row of scores before the softmax and dropped after it (gpt-oss, HY-V4)."""
 
-    def __init__(self, baddbmm: bool, sinks: bool = False, heads: int = 4, head_dim: int = 64):
+    def __init__(self, baddbmm: bool, sinks: bool = False, heads: int = 4, head_dim: int = 64, sink_max: bool = True):
         super().__init__()
-        self.heads, self.head_dim, self.baddbmm = heads, head_dim, baddbmm
+        self.heads, self.head_dim, self.baddbmm, self.sink_max = heads, head_dim, baddbmm, sink_max
         self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim, bias=False)
         self.slopes = torch.nn.Parameter(torch.rand(heads, 1, 1))
         self.sinks = torch.nn.Parameter(torch.randn(heads)) if sinks else None
@@ -667,7 +667,9 @@ class _EagerAttention(torch.nn.Module):
             p = torch.softmax(scores, dim=-1)
         else:  # the sink after the row's padded keys
             logits = torch.cat([scores, self.sinks.reshape(1, -1, 1, 1).expand(b, -1, s, 1)], dim=-1)
-            p = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+            if self.sink_max:  # gpt-oss subtracts the row's max itself; Flint leaves it to the softmax
+                logits = logits - logits.max(dim=-1, keepdim=True).values
+            p = torch.softmax(logits, dim=-1)[..., :-1]
         return torch.matmul(p, v).transpose(1, 2).reshape(b, s, -1)
 
 
@@ -702,6 +704,26 @@ def test_eager_attention_batched_matmuls_are_made_invariant(baddbmm, sinks):
         assert swapped.get("aten.baddbmm.default" if baddbmm else "aten.bmm.default") == (1 if baddbmm else 2)
         split = [n for n in swapped if n.startswith("sum over a concatenation")]
         assert [swapped[n] for n in split] == ([1] if sinks else []), swapped
+
+
+def test_a_sink_logit_one_element_a_row_gets_the_same_exp_alone_and_among_others():
+    """Flint's attention: softmax over the scores with a sink logit appended, no max subtracted first. Inductor
+    computed the sink's exp in a loop vectorized over the heads in a one-token prompt's graph (SLEEF's exp) and in a
+    scalar loop among many rows (libm's), an ulp apart for some heads. In invariant mode no CPU kernel is vectorized
+    (compiler/options.py _ONE_ROW_AS_MANY): a prompt's outputs alone are its row's among others; the model's numbers."""
+    torch.manual_seed(0)
+    model = _EagerAttention(False, sinks=True, heads=128, head_dim=4, sink_max=False).eval()
+    g = torch.Generator().manual_seed(1)
+    compiled = compiler.compile(model, options=CompileOptions(invariant="batch", strict=True))
+    with torch.no_grad():
+        for length in (1, 6):
+            target = torch.randn(1, length, 512, generator=g)
+            alone = compiled(target, torch.ones(1, length))
+            torch.testing.assert_close(alone, model(target, torch.ones(1, length)), rtol=1e-4, atol=1e-5)
+            x, mask = torch.randn(2, 40, 512, generator=g), torch.ones(2, 40)
+            x[-1, :length], mask[-1, length:] = target[0], 0
+            got = compiled(x, mask)[-1, :length]
+            assert torch.equal(got, alone[0]), (length, (got - alone[0]).abs().max())
 
 
 @torch.library.custom_op("tpwtest::rows_centered", mutates_args=())
