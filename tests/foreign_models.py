@@ -57,8 +57,9 @@ def _rotate_half(x):
 
 
 class Block(nn.Module):
-    def __init__(self, gen, rank, world, *, norm, reduce_op, unknown_op, num_streams=0):
+    def __init__(self, gen, rank, world, *, norm, reduce_op, unknown_op, num_streams=0, flat_mlp=False):
         super().__init__()
+        self.flat_mlp = flat_mlp
         h, d = HIDDEN // HEADS, HEADS // world
         self.heads, self.hd, self.reduce_op, self.unknown_op = d, h, reduce_op, unknown_op
         cols = slice(rank * d * h, (rank + 1) * d * h)
@@ -118,6 +119,9 @@ class Block(nn.Module):
         if self.unknown_op:
             x = x + 0.1 * torch.cumsum(x, dim=-1) / HIDDEN  # token-wise, but not an op the pass knows
         hx = self.norm2(x)
+        if self.flat_mlp:  # on the tokens flattened, as a Hugging Face MoE block runs its shared expert
+            hx = hx.view(-1, HIDDEN)
+            return x + (self._reduce(self.down(F.silu(self.gate(hx)) * self.up(hx))) + self.down_bias).view(b, s, -1)
         return x + (self._reduce(self.down(F.silu(self.gate(hx)) * self.up(hx))) + self.down_bias)
 
 
@@ -132,15 +136,17 @@ class ForeignModel(nn.Module):
         unknown_op=False,
         num_streams=0,
         sdpa=False,
+        flat_mlp=False,
         seed=0,
     ):
         super().__init__()
+        styles = dict(num_streams=num_streams, flat_mlp=flat_mlp)
         gen = torch.Generator().manual_seed(seed)
         self.sdpa = sdpa
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.embed.weight.data.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
         self.blocks = nn.ModuleList(
-            Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op, num_streams=num_streams)
+            Block(gen, rank, world, norm=norm, reduce_op=reduce_op, unknown_op=unknown_op, **styles)
             for _ in range(LAYERS)
         )
         self.norm = NORMS[norm](1 + 0.1 * torch.randn(HIDDEN, generator=gen))

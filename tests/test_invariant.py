@@ -67,6 +67,26 @@ def test_tp_level_reports_a_sum_over_ranks_of_a_batched_product():
     assert left["plain"] == {"swapped": {"mm + tpweave.all_reduce.default": 1}, "not_invariant": {}}, left
 
 
+def test_tp_level_sums_a_product_in_its_tree_when_its_size_is_read_too():
+    """invariant="tp" at TP 2 on a model whose MLP runs on its tokens flattened (a Hugging Face MoE block's shared
+    expert: Qwen3-Next, ERNIE 4.5 MoE): the SP graph reads the down projection's row count (a sym_size of the product,
+    (B * S) being no graph input), and the product still goes into its reduce-scatter's tree, its size read off its
+    input. Unfused, its ranks' parts were each rounded alone in some graphs and summed in the tree in others: a
+    sequence's logits alone and in batches differed. Now they are bitwise the same, and TP 1's."""
+    import workers
+
+    one = tpweave.launch(workers.flat_mlp_invariant_logits, nprocs=1, timeout_s=300)[0]
+    two = tpweave.launch(workers.flat_mlp_invariant_logits, nprocs=2, timeout_s=300)[0]
+    for outs, eager, swaps, _ in (one, two):
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), [(o - outs[0]).abs().max() for o in outs[1:]]
+        torch.testing.assert_close(outs[0], eager)
+        assert all(s["not_invariant"] == {} for s in swaps), swaps
+    assert two[3].get("sp") == 3, two[3]
+    # the batches' graph: each layer's MLP product and its reduce-scatter one op (the others through async TP's mm_rs)
+    assert any(s["swapped"].get("mm + tpweave.reduce_scatter_tokens.default") == 2 for s in two[2]), two[2]
+    assert torch.equal(two[0][0], one[0][0]), (two[0][0] - one[0][0]).abs().max()
+
+
 def test_tp_level_products_of_any_width_compile():
     """invariant="tp" on N not a multiple of the tree product's 64-column tiles (48, 100): the ops return contiguous
     tensors as their fakes say (Inductor checks the strides of every op it calls), and the numbers are the product's.

@@ -171,6 +171,23 @@ def _batch_shapes_ids(shapes, vocab, device):
 
 
 @torch.no_grad()
+def flat_mlp_invariant_logits(ctx, level="tp"):
+    """tests/foreign_models' model with its MLP on the tokens flattened (a Hugging Face MoE block's shared expert),
+    compiled with invariant=level, strict, SP from 16 tokens: a sequence's logits alone and as the first row of
+    batches of 3 and 6 (120 and 240 tokens), the eager model's, and the report's swaps."""
+    import foreign_models
+    import tpweave
+
+    torch._dynamo.reset()
+    model = foreign_models.ForeignModel(ctx.rank, ctx.world_size, flat_mlp=True)
+    compiled = compile_strict(model, invariant=level, sp_min_tokens=16)
+    ids = torch.randint(1, foreign_models.VOCAB, (6, 40), generator=torch.Generator().manual_seed(0))
+    outs = [compiled(ids[:n])[0] for n in (1, 3, 6)]
+    swaps = [g.invariant for g in tpweave.report(compiled).graphs]
+    return outs, model(ids[:1])[0], swaps, dict(compiled.calls)
+
+
+@torch.no_grad()
 def foreign_model_outputs(
     ctx,
     shapes,

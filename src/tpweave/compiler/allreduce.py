@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from tpweave.compiler.graph_utils import GraphEditor, all_reduce_waits, aten, funcol, tpw, val
-from tpweave.compiler.invariant import row_parallel_product
+from tpweave.compiler.invariant import read_sizes_elsewhere, row_parallel_product
 from tpweave.compiler.report import GraphReport
 from tpweave.compiler.tp_group import TPGroup
 
@@ -75,6 +75,7 @@ def order_all_reduces(
             report.add("all_reduce", ar, "routed", "ordered: the ranks' fp32 product subtrees all-gathered where it "
                        "was issued, summed in the TP=1 product's tree")  # fmt: skip
             product, chain = found
+            read_sizes_elsewhere(edit, product)
             dtype = val(product).dtype
             x = edit.insert(tpw.tp_invariant_rank_subtree.default, (*product.args[:2], cfg.world_size), before=ar)
             replaced[x] = product

@@ -325,13 +325,27 @@ def row_parallel_product(x: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     while isinstance(node, fx.Node) and node.target in VIEW_OPS and len(node.users) == 1:
         chain.append(node)
         node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.target is aten.mm.default and len(node.users) == 1):
+    if not (isinstance(node, fx.Node) and node.target is aten.mm.default):
+        return None
+    if sum(u.target is not aten.sym_size.int for u in node.users) != 1:  # its sizes' reads: read_sizes_elsewhere
         return None
     if chain:
         sizes = chain[0].args[1]
         if not same(val(x).shape[-1], val(node).shape[-1]) or any(s in chain or s is node for s in sizes):
             return None
     return node, chain[::-1]
+
+
+def read_sizes_elsewhere(edit: GraphEditor, product: fx.Node) -> None:
+    """The sizes read off mm(a, b) (aten.sym_size, read by a later view or by nothing: the SP pass's dynamic graphs
+    leave unread ones) read off a and b instead, so that the product itself can go: its rows are a's, its columns
+    b's."""
+    a, b = product.args[:2]
+    for user in [u for u in product.users if u.target is aten.sym_size.int]:
+        if user.users:
+            dim = user.args[1] % 2
+            user.replace_all_uses_with(edit.size_arg(a if dim == 0 else b, dim, before=user))
+        edit.graph.erase_node(user)
 
 
 def _fuse_row_parallel(graph: fx.Graph) -> dict[str, int]:
@@ -358,6 +372,7 @@ def _fuse_row_parallel(graph: fx.Graph) -> dict[str, int]:
             group_name, world_size = user.args[2], user.args[3]
         else:
             continue
+        read_sizes_elsewhere(edit, product)
         name = f"mm + {user.target}"
         one = edit.insert(ROW_PARALLEL_FUSIONS[user.target], (*product.args[:2], group_name, world_size), before=user)
         if chain and user.target is tpw.all_reduce.default:
