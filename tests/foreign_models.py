@@ -121,8 +121,8 @@ class Block(nn.Module):
         hx = self.norm2(x)
         if self.flat_mlp:  # on the tokens flattened, as a Hugging Face MoE block runs its shared expert
             hx = hx.view(-1, HIDDEN)
-            return x + (self._reduce(self.down(F.silu(self.gate(hx)) * self.up(hx))) + self.down_bias).view(b, s, -1)
-        return x + (self._reduce(self.down(F.silu(self.gate(hx)) * self.up(hx))) + self.down_bias)
+        y = self._reduce(self.down(F.silu(self.gate(hx)) * self.up(hx))) + self.down_bias
+        return x + (y.view(b, s, -1) if self.flat_mlp else y)
 
 
 class ForeignModel(nn.Module):
